@@ -1,0 +1,3 @@
+"""tritonnorm."""
+
+__version__ = "0.1.0"
