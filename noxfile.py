@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
+import shutil
 
 import nox
 
@@ -72,9 +72,10 @@ def tests_gloo(session: nox.Session, world_size: int) -> None:
 def build(session: nox.Session) -> None:
     """Build every wheel, then install each alone into a fresh venv and import it."""
     session.install("uv")
-    out = tempfile.mkdtemp(prefix="lab2-wheels-")
+    out = os.path.join(session.create_tmp(), "wheels")
+    shutil.rmtree(out, ignore_errors=True)
     session.run("uv", "build", "--all-packages", "--wheel", "--out-dir", out, external=True)
-    for dist_name, _ in MEMBERS.items():
+    for dist_name in MEMBERS:
         module = dist_name.replace("-", "_")
         wheels = glob.glob(os.path.join(out, f"{module}-*.whl"))
         if len(wheels) != 1:
