@@ -17,13 +17,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "build", "triton-interpret", "tests", "tests-gloo"]
 
-MEMBERS = {
-    "tritonnorm": "packages/tritonnorm",
-    "minddp": "packages/minddp",
-    "zero1": "packages/zero1",
-    "lab2bench": "packages/lab2bench",
-    "lab2-trainer": "apps/trainer",
-}
+MEMBERS = ("tritonnorm", "minddp", "zero1", "lab2bench", "lab2-trainer")
 WORLD_SIZES = [1, 2, 3, 4]
 
 
