@@ -1,0 +1,245 @@
+"""A decoder-only Transformer language model with a selectable norm layer.
+
+Pre-norm blocks (norm -> causal self-attention -> residual, norm -> feed-forward ->
+residual), learned absolute positions, a final norm and a linear LM head. Attention goes
+through ``F.scaled_dot_product_attention(is_causal=True)`` so every backend PyTorch has
+(flash, memory-efficient, math) is used where it applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab2_trainer.config import ModelConfig
+
+
+class ReferenceRMSNorm(nn.Module):
+    """RMSNorm in plain PyTorch with a hand-derived backward (``tritonnorm.RMSNormTorchFunction``).
+
+    Its state dict (one ``weight`` of ones) is interchangeable with ``tritonnorm.RMSNorm``'s
+    and ``torch.nn.RMSNorm``'s.
+
+    Args:
+        hidden_size: size of the normalised (last) dimension.
+        eps: added to the mean square before the square root.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tritonnorm import RMSNormTorchFunction
+
+        return RMSNormTorchFunction.apply(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
+    """Build the norm layer named by ``kind``.
+
+    Args:
+        kind: "tritonnorm" (fused Triton RMSNorm; plain PyTorch off CUDA), "reference"
+            (:class:`ReferenceRMSNorm`), "torch" (``torch.nn.RMSNorm``) or "layernorm".
+        dim: normalised size.
+        eps: epsilon.
+    """
+    if kind == "tritonnorm":
+        # Imported here so that the model module loads even where tritonnorm is absent
+        # and another norm is asked for.
+        from tritonnorm import RMSNorm
+
+        return RMSNorm(dim, eps=eps)
+    if kind == "reference":
+        return ReferenceRMSNorm(dim, eps=eps)
+    if kind == "torch":
+        return nn.RMSNorm(dim, eps=eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"unknown norm kind {kind!r}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees positions <= t only."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        # (B, T, D) -> (B, heads, T, head_dim), the layout SDPA expects.
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (``w2(silu(w1 x) * w3 x)``) or GELU (``w2(gelu(w1 x))``) feed-forward layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.kind = config.ffn
+        self.w1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.w2 = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.w3 = None
+        if self.kind == "swiglu":
+            self.w3 = nn.Linear(config.d_model, config.d_ff, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = make_norm(config.norm, config.d_model, config.eps)
+        self.attn = CausalSelfAttention(config)
+        self.norm2 = make_norm(config.norm, config.d_model, config.eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only Transformer language model.
+
+    Args:
+        config: the model's shape (validated here).
+        seed: seed of the weight initialisation; the same seed gives the same weights on
+            the same device type, independent of the global random state.
+        device: where to build the parameters.
+    """
+
+    def __init__(self, config: ModelConfig, *, seed: int = 0, device=None) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, device=device)
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model, device=device)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm_f = make_norm(config.norm, config.d_model, config.eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if device is not None:
+            self.to(device)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Initialise every weight from ``seed``: N(0, 0.02) for matrices and embeddings,
+        with the projections that write into the residual stream scaled by
+        1/sqrt(2 * n_layers) so the stream's variance does not grow with depth; norm
+        weights one, norm biases zero."""
+        device = self.tok_emb.weight.device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        seen: set[int] = set()
+        for name, param in self.named_parameters():  # named_parameters skips tied duplicates
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if param.dim() == 1:
+                # Norm layers: weight 1, bias 0.
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
+            elif name.endswith(("attn.proj.weight", "ffn.w2.weight")):
+                param.normal_(0.0, residual_std, generator=gen)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        """Number of parameters (tied ones counted once).
+
+        Args:
+            non_embedding: leave out the token and position tables (the usual convention
+                when relating model size to compute); a tied LM head goes with them.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+        return total
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for every position, and the mean cross-entropy when ``targets`` are given.
+
+        Args:
+            idx: (B, T) token ids, T <= context_length.
+            targets: optional (B, T) next-token ids.
+
+        Returns:
+            ``logits`` of shape (B, T, vocab_size), or ``(logits, loss)``.
+        """
+        t = idx.shape[-1]
+        if t > self.config.context_length:
+            raise ValueError(
+                f"sequence length {t} exceeds context_length {self.config.context_length}"
+            )
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm_f(x))
+        if targets is None:
+            return logits
+        # Cross-entropy in float32 even under autocast: the log-softmax over the
+        # vocabulary is where half precision loses the most.
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend ``idx`` (B, T) by sampling ``max_new_tokens`` tokens one at a time.
+
+        Args:
+            idx: prompt token ids, (B, T) with T >= 1.
+            max_new_tokens: how many tokens to add.
+            temperature: logits are divided by it; 0 means greedy (argmax).
+            top_k: sample only among the k most likely tokens.
+            generator: random generator for the sampling (for reproducible samples).
+
+        Returns:
+            (B, T + max_new_tokens) token ids.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                window = idx[:, -self.config.context_length :]
+                logits = self(window)[:, -1, :].float()
+                if temperature <= 0:
+                    nxt = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None and top_k < logits.shape[-1]:
+                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    nxt = torch.multinomial(probs, 1, generator=generator)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
+        return idx
