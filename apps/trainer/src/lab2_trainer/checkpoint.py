@@ -1,0 +1,102 @@
+"""Checkpoints: written atomically, read back with every field checked.
+
+A checkpoint is one ``torch.save`` file holding only tensors and plain Python values (so
+it loads with ``weights_only=True``):
+
+* ``format``/``version``: what this file is;
+* ``model_config``: the model's fields; ``model``: its state dict;
+* ``optimizer``: the whole optimizer state in ``torch.optim.AdamW``'s format (a sharded
+  optimizer is consolidated first), so any sharding and any number of ranks can load it;
+* ``schedule``, ``step``, ``settings`` (the training settings), ``sampler`` (the data
+  position), ``data`` (what data it was trained on), ``rng`` (torch's random states),
+  ``scaler`` (fp16 gradient scaler), ``world_size``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab2_trainer.distributed import UsageError
+
+FORMAT = "lab2-trainer-checkpoint"
+VERSION = 1
+CHECKPOINT_NAME = "ckpt.pt"
+REQUIRED_KEYS = ("model_config", "model", "optimizer", "schedule", "step", "settings",
+                 "sampler", "data", "rng")
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file beside ``path``, flush it to disk, then rename it
+    over ``path``: a reader (or a crash) never sees a half-written checkpoint.
+
+    Args:
+        obj: what to save.
+        path: destination; its folder must exist.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """Torch's random states (CPU, and this rank's GPU)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what :func:`rng_state` saved."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """A checkpoint file, or a run folder holding ``ckpt.pt``."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / CHECKPOINT_NAME
+    if not p.is_file():
+        raise UsageError(f"checkpoint not found: {p}")
+    return p
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check a checkpoint.
+
+    Raises:
+        UsageError: missing, unreadable, truncated, not ours, or from another version.
+    """
+    p = resolve_checkpoint_path(path)
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile,
+            ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot read checkpoint {p}: {reason}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise UsageError(f"{p} is not a lab2-trainer checkpoint")
+    if ckpt.get("version") != VERSION:
+        raise UsageError(
+            f"{p} is checkpoint version {ckpt.get('version')}; this trainer reads {VERSION}"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    if missing:
+        raise UsageError(f"checkpoint {p} lacks {', '.join(missing)}")
+    return ckpt

@@ -1,0 +1,324 @@
+"""Token streams for training and validation, and the sampler that cuts batches from them.
+
+Three sources:
+
+* the default corpus: the running interpreter's standard-library ``.py`` sources as bytes
+  (vocabulary 256), split into train and validation *by file* with a hash of each file's
+  path, so the split never changes with the order files are found in; the two token
+  arrays are cached on disk after the first read;
+* ``--data PATH`` naming a text file or a directory of text files (bytes, split by file
+  the same way; a single file is split 95/5 by position);
+* ``--data PATH`` naming a token array: a ``.npy`` file or a raw ``.bin`` of uint16
+  (memory-mapped), split 95/5 by position, or a directory holding ``train.*`` and
+  ``val.*`` arrays.
+
+:class:`BatchSampler` draws random windows from a seeded, counter-based generator: the
+windows of step ``s`` depend only on (seed, s), so its whole state is one integer,
+checkpointing it is trivial, and every rank sees the same global batch, whatever the
+number of ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
+TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")
+
+
+class DataError(ValueError):
+    """The data cannot be read or cannot feed the requested batches."""
+
+
+@dataclass
+class Corpus:
+    """Train and validation token arrays plus a description of where they came from.
+
+    Attributes:
+        train: 1-D integer array (often a memory map).
+        val: 1-D integer array.
+        vocab_size: number of token ids; every token is below it.
+        source: human-readable origin (a path, or "stdlib:<path>").
+        is_bytes: tokens are raw bytes, so samples can be decoded as text.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    source: str
+    is_bytes: bool
+
+    def identity(self) -> dict:
+        """What a checkpoint records to recognise this data on resume."""
+        return {
+            "source": self.source,
+            "vocab_size": self.vocab_size,
+            "train_tokens": int(len(self.train)),
+            "val_tokens": int(len(self.val)),
+        }
+
+
+def is_val_file(relative_path: str) -> bool:
+    """Whether a file belongs to the validation split: a fixed hash of its relative path."""
+    digest = hashlib.sha1(relative_path.replace(os.sep, "/").encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 100 < VAL_PERCENT
+
+
+def stdlib_root() -> Path:
+    """Directory of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _source_files(root: Path, pattern: str) -> list[Path]:
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = [p for p in root.rglob(pattern) if p.is_file() and not skip.intersection(p.parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _split_files(root: Path, files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        (val_parts if is_val_file(rel) else train_parts).append(path.read_bytes())
+    train = np.frombuffer(b"".join(train_parts), dtype=np.uint8)
+    val = np.frombuffer(b"".join(val_parts), dtype=np.uint8)
+    return train, val
+
+
+def cache_dir() -> Path:
+    """Where corpus token arrays are cached: ``$LAB2_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/lab2-trainer``, else ``~/.cache/lab2-trainer``."""
+    if os.environ.get("LAB2_CACHE_DIR"):
+        return Path(os.environ["LAB2_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lab2-trainer"
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def load_stdlib_corpus(*, use_cache: bool = True) -> Corpus:
+    """The standard library's ``.py`` files as bytes, split by file; cached after one read.
+
+    Args:
+        use_cache: read and write the cached arrays (several ranks may build it at once:
+            every write is atomic and the content is the same).
+    """
+    root = stdlib_root()
+    if not root.is_dir():
+        raise DataError(f"standard library directory not found: {root}")
+    key = hashlib.sha1(f"{root}|{sys.version}|{VAL_PERCENT}|v1".encode()).hexdigest()[:16]
+    folder = cache_dir() / f"stdlib-{key}"
+    train_path, val_path = folder / "train.npy", folder / "val.npy"
+    source = f"stdlib:{root}"
+    if use_cache and train_path.is_file() and val_path.is_file():
+        try:
+            train = np.load(train_path, mmap_mode="r")
+            val = np.load(val_path, mmap_mode="r")
+            return Corpus(train, val, 256, source, is_bytes=True)
+        except (OSError, ValueError):
+            pass  # a damaged cache is rebuilt below
+    train, val = _split_files(root, _source_files(root, "*.py"))
+    if use_cache:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _save_npy_atomic(train_path, train)
+            _save_npy_atomic(val_path, val)
+        except OSError:
+            pass  # an unwritable cache only costs a re-read next time
+    return Corpus(train, val, 256, source, is_bytes=True)
+
+
+def _load_token_array(path: Path) -> np.ndarray:
+    try:
+        if path.suffix == ".npy":
+            array = np.load(path, mmap_mode="r")
+        else:
+            array = np.memmap(path, dtype=np.uint16, mode="r")
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read token array {path}: {exc}") from None
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise DataError(f"token array {path} must be 1-D integers, got {array.dtype} {array.shape}")
+    return array
+
+
+def _split_tail(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    cut = len(array) - max(1, len(array) * VAL_PERCENT // 100)
+    return array[:cut], array[cut:]
+
+
+def _check_vocab(array: np.ndarray, vocab_size: int, what: str) -> None:
+    if len(array) and int(array.max()) >= vocab_size:
+        raise DataError(
+            f"{what} holds token id {int(array.max())}, not below --vocab-size {vocab_size}"
+        )
+
+
+def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpus:
+    """Load the corpus named by ``path`` (see the module docstring); ``None`` is the stdlib.
+
+    Args:
+        path: text file, directory, ``.npy``/``.bin`` token array, or ``None``.
+        vocab_size: required for token arrays; must be 256 (or omitted) for text.
+
+    Raises:
+        DataError: missing path, unreadable or empty data, tokens outside the vocabulary.
+    """
+    if path is None:
+        if vocab_size not in (None, 256):
+            raise DataError(f"the default byte corpus has vocabulary 256, not {vocab_size}")
+        return load_stdlib_corpus()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data path does not exist: {p}")
+    arrays = {}
+    if p.is_dir():
+        for split in ("train", "val"):
+            for suffix in TOKEN_ARRAY_SUFFIXES:
+                if (p / f"{split}{suffix}").is_file():
+                    arrays[split] = p / f"{split}{suffix}"
+    if p.suffix in TOKEN_ARRAY_SUFFIXES or arrays:
+        if vocab_size is None:
+            raise DataError(f"{p} is a token array: pass --vocab-size")
+        if p.is_dir():
+            if set(arrays) != {"train", "val"}:
+                raise DataError(f"{p} must hold both train.npy|bin and val.npy|bin")
+            train = _load_token_array(arrays["train"])
+            val = _load_token_array(arrays["val"])
+        else:
+            train, val = _split_tail(_load_token_array(p))
+        _check_vocab(train, vocab_size, f"{p} (train)")
+        _check_vocab(val, vocab_size, f"{p} (val)")
+        return Corpus(train, val, vocab_size, str(p), is_bytes=False)
+    if vocab_size not in (None, 256):
+        raise DataError(
+            f"text data is read as bytes (vocabulary 256), not --vocab-size {vocab_size}"
+        )
+    if p.is_dir():
+        files = _source_files(p, "*")
+        if not files:
+            raise DataError(f"no files under {p}")
+        if len(files) == 1:
+            train, val = _split_tail(np.frombuffer(files[0].read_bytes(), dtype=np.uint8))
+        else:
+            train, val = _split_files(p, files)
+            if len(val) == 0:  # too few files for the hash to pick one: hold out the last
+                train, val = _split_files_last(p, files)
+    else:
+        train, val = _split_tail(np.frombuffer(p.read_bytes(), dtype=np.uint8))
+    return Corpus(train, val, 256, str(p), is_bytes=True)
+
+
+def _split_files_last(root: Path, files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    train = np.frombuffer(b"".join(f.read_bytes() for f in files[:-1]), dtype=np.uint8)
+    return train, np.frombuffer(files[-1].read_bytes(), dtype=np.uint8)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy in nats of the token frequencies of ``tokens`` (the loss of the best model
+    that ignores context: the baseline a language model has to beat)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunk = 1 << 24  # bincount in chunks so a large memory map is never copied whole
+    for start in range(0, len(tokens), chunk):
+        counts += np.bincount(np.asarray(tokens[start : start + chunk]), minlength=vocab_size)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+class BatchSampler:
+    """Random windows of ``context_length + 1`` tokens, the same global batch on every rank.
+
+    The windows of draw number ``n`` come from ``numpy.random.default_rng([seed, n])``:
+    a counter-based scheme whose state is just ``n``, so resuming from a checkpoint, or on a
+    different number of ranks, sees exactly the batches an uninterrupted run would.
+
+    Args:
+        tokens: 1-D token array.
+        context_length: input length T; each window holds T + 1 tokens.
+        batch_size: windows per draw (the global batch).
+        seed: stream seed.
+    """
+
+    def __init__(self, tokens: np.ndarray, context_length: int, batch_size: int, seed: int) -> None:
+        if len(tokens) < context_length + 1:
+            raise DataError(
+                f"{len(tokens)} tokens cannot fill one window of "
+                f"context_length {context_length} + 1"
+            )
+        self.tokens = tokens
+        self.context_length = context_length
+        self.batch_size = batch_size
+        self.seed = seed
+        self.draws = 0
+
+    def offsets(self, draw: int) -> np.ndarray:
+        """Start positions of the windows of draw number ``draw``."""
+        rng = np.random.default_rng([self.seed, draw])
+        return rng.integers(0, len(self.tokens) - self.context_length, size=self.batch_size)
+
+    def next_global(self) -> np.ndarray:
+        """The next draw's windows as a (batch_size, T + 1) int64 array."""
+        starts = self.offsets(self.draws)
+        self.draws += 1
+        window = np.arange(self.context_length + 1)
+        return np.asarray(self.tokens[starts[:, None] + window], dtype=np.int64)
+
+    def next_local(
+        self, rank: int, world_size: int, grad_accum: int, device: torch.device | str = "cpu"
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch, as (inputs, targets) pairs.
+
+        Rank ``r`` takes the ``r``-th of ``world_size`` equal contiguous slices of the
+        global batch and cuts it into ``grad_accum`` micro-batches. Equal slices are what
+        make the average of the ranks' mean losses equal the global batch's mean loss.
+        """
+        per_rank = self.batch_size // world_size
+        mine = self.next_global()[rank * per_rank : (rank + 1) * per_rank]
+        micro = per_rank // grad_accum
+        out = []
+        for i in range(grad_accum):
+            chunk = torch.from_numpy(mine[i * micro : (i + 1) * micro]).to(device)
+            out.append((chunk[:, :-1], chunk[:, 1:]))
+        return out
+
+    def state_dict(self) -> dict:
+        """Position in the stream (plus what must match on resume)."""
+        return {"seed": self.seed, "draws": self.draws, "batch_size": self.batch_size,
+                "context_length": self.context_length}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; the seed must match the one this sampler was built with."""
+        if state["seed"] != self.seed:
+            raise DataError(f"sampler seed {state['seed']} does not match {self.seed}")
+        self.draws = int(state["draws"])
+
+
+def check_batch_layout(batch_size: int, world_size: int, grad_accum: int) -> None:
+    """Raise :class:`DataError` unless the global batch splits evenly into
+    ``world_size`` ranks x ``grad_accum`` micro-batches of at least one window."""
+    if batch_size < world_size * grad_accum:
+        raise DataError(
+            f"global batch {batch_size} cannot feed {world_size} rank(s) x {grad_accum} "
+            f"micro-batch(es): need at least {world_size * grad_accum} windows"
+        )
+    if batch_size % (world_size * grad_accum) != 0:
+        multiple = world_size * grad_accum
+        lower = batch_size // multiple * multiple
+        raise DataError(
+            f"global batch {batch_size} is not divisible by world_size x grad_accum = "
+            f"{world_size} x {grad_accum}; use {lower} or {lower + multiple}"
+        )
+

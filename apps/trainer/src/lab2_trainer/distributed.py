@@ -1,0 +1,208 @@
+"""Process setup: one process, N local ranks (``--nproc``), or ranks started by ``torchrun``.
+
+Every rank ends up with a :class:`DistContext` naming its rank, the world size and its
+device. Local ranks meet through a ``file://`` rendezvous in a fresh temporary folder (no
+ports to collide); under ``torchrun`` the usual ``env://`` variables (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are read.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Exit code of a rank that stopped on bad input (it already printed one line).
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line on stderr, exit code 2."""
+
+
+@dataclass
+class DistContext:
+    """Where this process stands among the ranks.
+
+    Attributes:
+        rank: global rank.
+        world_size: number of ranks.
+        local_rank: rank on this machine (selects the GPU).
+        device: the device this rank computes on.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes files and prints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """A process group is running (even of size 1)."""
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op without a process group)."""
+        if self.distributed:
+            dist.barrier()
+
+    @classmethod
+    def from_process_group(cls, device: torch.device | None = None) -> DistContext:
+        """Context of a process whose default group is initialised already (or of a single
+        process when none is)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(device=device or torch.device("cpu"))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return cls(rank, world, local_rank, device or torch.device("cpu"))
+
+
+def resolve_device_type(requested: str) -> str:
+    """``"auto"`` becomes ``"cuda"`` where a GPU is visible, else ``"cpu"``.
+
+    Raises:
+        UsageError: ``"cuda"`` asked for where there is none, or an unknown device type.
+    """
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = requested.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but no CUDA device is visible")
+    return kind
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    """This rank's device: its own GPU by local rank, or the CPU."""
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def launched_by_torchrun() -> bool:
+    """Whether the environment describes a rank started by ``torchrun`` (or similar)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
+    """Join the process group described by torchrun's environment variables."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = rank_device(device_type, local_rank)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method="env://", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return DistContext(rank, world, local_rank, device)
+
+
+def threads_per_rank(local_world: int) -> int:
+    """CPU threads for each of ``local_world`` ranks sharing this machine's cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world))
+
+
+def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeout_s: float,
+               fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(threads_per_rank(world))
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        device = rank_device(device_type, rank)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            fn(DistContext(rank, world, rank, device), *args)
+        finally:
+            dist.destroy_process_group()
+    except UsageError as exc:
+        print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException:
+        print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
+
+
+def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
+                timeout_s: float = 600.0) -> int:
+    """Run ``fn(ctx, *args)`` on ``nproc`` local ranks; return the first failing exit code
+    (0 when all succeed).
+
+    On the CPU the ranks are forked (this process has imported torch already, which takes
+    seconds on a small machine; a fork shares it); on GPUs they are spawned fresh, since a
+    fork must not inherit a CUDA context. When one rank fails, the others are stopped at
+    once instead of waiting in a collective for the timeout.
+
+    Args:
+        nproc: number of ranks.
+        device_type: "cpu" (Gloo) or "cuda" (NCCL, one GPU per rank).
+        fn: module-level function taking a :class:`DistContext` first.
+        timeout_s: the process group's collective timeout.
+    """
+    if device_type == "cuda" and nproc > torch.cuda.device_count():
+        raise UsageError(f"--nproc {nproc} needs {nproc} GPUs; {torch.cuda.device_count()} visible")
+    ctx = mp.get_context("fork" if device_type == "cpu" else "spawn")
+    tmp = tempfile.mkdtemp(prefix="lab2-train-rdzv-")
+    init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+    saved_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
+    procs = []
+    try:
+        for rank in range(nproc):
+            p = ctx.Process(target=_rank_main,
+                            args=(rank, nproc, init_method, device_type, timeout_s, fn, args))
+            p.start()
+            procs.append(p)
+        while True:
+            codes = [p.exitcode for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                # Give the others a moment to finish printing their own error line.
+                time.sleep(0.5)
+                return failed[0] if failed[0] > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            procs[codes.index(None)].join(timeout=0.2)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if saved_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
+        shutil.rmtree(tmp, ignore_errors=True)
