@@ -1,0 +1,60 @@
+"""Copy a module's parameters and buffers from one rank to all others."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp._group import global_rank_of, group_rank, group_size
+from minddp.flatten import flatten_tensors, group_by_dtype_device, unflatten_into
+
+# Coalesce at most this many bytes per broadcast: few collectives, bounded extra memory.
+_CHUNK_BYTES = 32 * 1024 * 1024
+
+
+def _chunks(tensors: list[torch.Tensor], indices: list[int]) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for i in indices:
+        t = tensors[i]
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > _CHUNK_BYTES:
+            out.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+@torch.no_grad()
+def broadcast_module(
+    module: nn.Module, src: int = 0, *, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Overwrite every parameter and buffer of ``module`` with rank ``src``'s values.
+
+    Tensors are packed per dtype/device into flat chunks of at most 32 MiB, so a
+    model costs a handful of broadcasts rather than one per tensor.
+
+    Args:
+        module: the model; modified in place on every rank but ``src``.
+        src: the source rank, counted inside ``process_group``.
+        process_group: the group to broadcast over (default group when None).
+    """
+    world = group_size(process_group)
+    if not 0 <= src < world:
+        raise ValueError(f"src must be a rank in [0, {world}), got {src}")
+    if world == 1:
+        return
+    tensors = [p.detach() for p in module.parameters()] + [b for b in module.buffers()]
+    is_src = group_rank(process_group) == src
+    root = global_rank_of(process_group, src)
+    for indices in group_by_dtype_device(tensors):
+        for chunk in _chunks(tensors, indices):
+            flat = flatten_tensors(chunk)
+            dist.broadcast(flat, src=root, group=process_group)
+            if not is_src:
+                unflatten_into(flat, chunk)

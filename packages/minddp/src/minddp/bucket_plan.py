@@ -1,0 +1,72 @@
+"""Decide which parameters share a bucket (pure logic, no communication)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What bucketing needs to know about one parameter.
+
+    Attributes:
+        numel: number of elements.
+        element_size: bytes per element.
+        group: tensors of different groups (dtype and device) never share a bucket.
+    """
+
+    numel: int
+    element_size: int
+    group: Hashable
+
+
+def validate_bucket_size_mb(bucket_size_mb: float | None) -> float | None:
+    """Return ``bucket_size_mb`` if it is None or a finite positive number, else raise."""
+    if bucket_size_mb is None:
+        return None
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+        raise TypeError(f"bucket_size_mb must be a number or None, got {bucket_size_mb!r}")
+    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+        raise ValueError(f"bucket_size_mb must be positive and finite, got {bucket_size_mb}")
+    return float(bucket_size_mb)
+
+
+def assign_buckets(infos: Sequence[TensorInfo], bucket_size_mb: float | None) -> list[list[int]]:
+    """Group parameter indices into buckets, walking the parameters in reverse order.
+
+    Backward produces gradients roughly in reverse registration order, so filling
+    buckets from the last parameter makes the first bucket the first to be ready.
+
+    Rules: a bucket holds one group only (dtype/device); adding a parameter that
+    would push a bucket past ``bucket_size_mb`` MiB closes it and opens a new one; a
+    parameter larger than the cap therefore sits alone; None means no cap (one
+    bucket per group).
+
+    Args:
+        infos: one entry per parameter, in registration order.
+        bucket_size_mb: cap per bucket in MiB (2**20 bytes), or None.
+
+    Returns:
+        Buckets of indices into ``infos``, ordered by their first (highest) index
+        descending; inside a bucket, indices descend too.
+    """
+    cap = validate_bucket_size_mb(bucket_size_mb)
+    cap_bytes = None if cap is None else cap * _MIB
+    open_bucket: dict[Hashable, tuple[list[int], int]] = {}
+    closed: list[list[int]] = []
+    for i in reversed(range(len(infos))):
+        info = infos[i]
+        nbytes = info.numel * info.element_size
+        members, size = open_bucket.get(info.group, ([], 0))
+        if members and cap_bytes is not None and size + nbytes > cap_bytes:
+            closed.append(members)
+            members, size = [], 0
+        members.append(i)
+        open_bucket[info.group] = (members, size + nbytes)
+    closed.extend(members for members, _ in open_bucket.values())
+    closed.sort(key=lambda members: -members[0])
+    return closed

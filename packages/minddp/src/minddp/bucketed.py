@@ -1,0 +1,221 @@
+"""Data parallelism with gradients packed into flat buckets, each all-reduced when full."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp._group import trainable_parameters
+from minddp._wrapper import DataParallelWrapper
+from minddp.bucket_plan import TensorInfo, assign_buckets, validate_bucket_size_mb
+from minddp.stats import SyncStats
+
+
+@dataclass
+class _Bucket:
+    """One flat buffer: the members' gradients back to back, then one used flag each."""
+
+    members: list[int]  # parameter indices, in buffer order
+    buffer: torch.Tensor
+    flags: torch.Tensor  # view of the buffer's tail, one element per member
+
+
+class DDPBucketed(DataParallelWrapper):
+    """Overlap communication with backward, one all-reduce per bucket of gradients.
+
+    Buckets. Trainable parameters are grouped, walking them in reverse registration
+    order, into buckets of at most ``bucket_size_mb`` MiB of gradients per
+    dtype/device (a larger parameter gets a bucket of its own; None: one bucket).
+    Each bucket owns one flat buffer, and each member's ``.grad`` *is* a view into
+    it: autograd accumulates straight into the bucket, and the all-reduce runs on
+    the buffer in place, so no gradient is copied in or out. The views are
+    (re)attached before every forward, so ``zero_grad(set_to_none=True)`` is fine.
+
+    Ordering guarantee. When the last member of a bucket gets its gradient, the
+    bucket is divided by the world size and its asynchronous all-reduce starts, but
+    only once every earlier bucket has started: bucket i never goes out before
+    bucket i-1. The bucket order is fixed at construction and is the same on every
+    rank, so all ranks issue the same collectives in the same order even when their
+    backward passes differ.
+
+    Unused parameters. A bucket with a member that got no gradient (on this rank, or
+    on any) cannot fill during backward; ``finish_gradient_synchronization()``
+    launches every bucket still waiting, in order, with zeros for the missing
+    gradients, so no rank waits for a collective the others never start. Each bucket
+    carries one "used" flag per member at the end of its buffer; a member that no
+    rank used gets ``.grad = None`` back (when it was None before), as
+    single-process training would leave it. Frozen parameters are left out and tied
+    parameters are counted once.
+
+    Collectives rely on the process group's timeout: a dead or diverged peer turns
+    into an error from ``finish_gradient_synchronization()`` after that timeout,
+    never an endless hang.
+
+    Args:
+        module: the model, identical on every rank (checked, then broadcast from rank 0).
+        bucket_size_mb: cap per bucket in MiB, or None for one bucket per dtype/device.
+        process_group: the group to average over (default group when None).
+
+    Attributes:
+        bucket_parameter_names: the parameter names of each bucket, in launch order.
+        last_sync_stats: a :class:`~minddp.stats.SyncStats` for the last finish call.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float | None = 25.0,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        self.bucket_size_mb = validate_bucket_size_mb(bucket_size_mb)
+        super().__init__(module, process_group)
+        named = trainable_parameters(module)
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        infos = [TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
+        self._buckets: list[_Bucket] = []
+        self._bucket_of = [0] * len(self._params)
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        for b, members in enumerate(assign_buckets(infos, self.bucket_size_mb)):
+            self._buckets.append(self._make_bucket(members))
+            for index in members:
+                self._bucket_of[index] = b
+        self.bucket_parameter_names = [
+            [self._names[i] for i in bucket.members] for bucket in self._buckets
+        ]
+        self._register_grad_hooks(self._params)
+        self._reset_step_state()
+
+    @torch.no_grad()
+    def _make_bucket(self, members: list[int]) -> _Bucket:
+        first = self._params[members[0]]
+        numel = sum(self._params[i].numel() for i in members)
+        buffer = torch.zeros(numel + len(members), dtype=first.dtype, device=first.device)
+        offset = 0
+        for index in members:
+            p = self._params[index]
+            view = buffer[offset : offset + p.numel()].view(p.shape)
+            if p.grad is not None:  # keep a gradient the user already has
+                view.copy_(p.grad)
+                p.grad = view
+            self._views[index] = view
+            offset += p.numel()
+        return _Bucket(members=members, buffer=buffer, flags=buffer[numel:])
+
+    def _reset_step_state(self) -> None:
+        count = len(self._params)
+        self._used = [False] * count  # a hook fired since the last synchronization
+        self._ready = [False] * count  # a hook fired in the current synchronized backward
+        self._zero_filled = [False] * count  # grad was None; its view was zeroed instead
+        self._remaining = [len(bucket.members) for bucket in self._buckets]
+        self._handles: list[dist.Work] = []
+        self._next = 0  # buckets [0, _next) are launched
+        self._launched_in_backward = 0
+        self._backward_seen = False
+
+    @torch.no_grad()
+    def _attach_views(self, bucket: _Bucket) -> None:
+        """Make every member's ``.grad`` its bucket view, keeping what it holds."""
+        params, views = self._params, self._views
+        missing = [params[i].grad is None for i in bucket.members]
+        if all(missing):  # after zero_grad(set_to_none=True): one fill for the bucket
+            bucket.buffer.zero_()
+        for index, is_missing in zip(bucket.members, missing):
+            p, view = params[index], views[index]
+            grad = p.grad
+            if grad is view:
+                continue
+            if is_missing:
+                if not all(missing):
+                    view.zero_()
+                self._zero_filled[index] = True
+            else:
+                view.copy_(grad)  # someone replaced .grad: adopt its values
+            p.grad = view
+
+    def _before_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._backward_seen:
+            raise self._unfinished_error()
+        for bucket in self._buckets:
+            self._attach_views(bucket)
+
+    def _on_grad_ready(self, index: int) -> None:
+        self._used[index] = True
+        if not self._sync_enabled:
+            return
+        self._backward_seen = True
+        b = self._bucket_of[index]
+        if b < self._next:
+            raise RuntimeError(
+                f"DDPBucketed: parameter {self._names[index]!r} received a gradient after "
+                f"its bucket ({b}) had been launched (a second backward before "
+                "finish_gradient_synchronization(), or a parameter reached twice, e.g. "
+                "through reentrant checkpointing)"
+            )
+        if self._ready[index]:
+            return  # accumulated again before launch: fine, it goes out later
+        self._ready[index] = True
+        self._remaining[b] -= 1
+        while self._next < len(self._buckets) and self._remaining[self._next] == 0:
+            self._launch(self._next, all_used=True)
+            self._next += 1
+            self._launched_in_backward += 1
+
+    @torch.no_grad()
+    def _launch(self, b: int, *, all_used: bool) -> None:
+        bucket = self._buckets[b]
+        self._attach_views(bucket)  # cheap when forward already did it
+        if all_used:
+            bucket.flags.fill_(1)
+        else:
+            used = [float(self._used[i]) for i in bucket.members]
+            bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
+        if self.world_size > 1:
+            bucket.buffer.div_(self.world_size)  # pre-divide: the sum is then the average
+        self._handles.append(
+            dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        )
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets still waiting, wait for all; leave averaged gradients.
+
+        Call once per step on every rank, after backward and before the optimizer
+        step (also on a rank whose loss did not touch the model). Inside
+        ``no_sync()`` it does nothing.
+        """
+        if not self._sync_enabled:
+            return
+        start = time.perf_counter()
+        partly_used = []
+        for b in range(self._next, len(self._buckets)):
+            members = self._buckets[b].members
+            all_used = all(self._used[i] for i in members)
+            self._launch(b, all_used=all_used)
+            if not all_used:
+                partly_used.append(b)
+        wait_start = time.perf_counter()
+        for handle in self._handles:
+            handle.wait()
+        wait = time.perf_counter() - wait_start
+        # Only a bucket this rank did not fully use can hold a parameter nobody used.
+        for b in partly_used:
+            bucket = self._buckets[b]
+            for index, used_somewhere in zip(bucket.members, bucket.flags.tolist()):
+                if self._zero_filled[index] and not used_somewhere:
+                    self._params[index].grad = None  # nobody had a gradient: keep None
+        launched_in_backward = self._launched_in_backward
+        self._reset_step_state()
+        self.last_sync_stats = SyncStats(
+            finish_seconds=time.perf_counter() - start,
+            wait_seconds=wait,
+            launched_in_backward=launched_in_backward,
+            launched_in_finish=len(self._buckets) - launched_in_backward,
+        )

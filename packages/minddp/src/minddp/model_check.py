@@ -1,0 +1,98 @@
+"""Check, before anything else talks over the wire, that every rank holds the same model.
+
+Different parameter lists on different ranks would make the ranks issue
+different collectives: best case a hang until the process group's timeout,
+worst case silently averaged garbage. So every wrapper compares model
+signatures first and fails loudly, on every rank, naming the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import nn
+
+from minddp._group import group_size
+
+Entry = tuple[str, str, tuple[int, ...], str, bool]
+
+
+class ModelMismatchError(RuntimeError):
+    """Ranks hold models that differ in parameter/buffer names, shapes, dtypes or
+    ``requires_grad`` flags."""
+
+
+def model_signature(module: nn.Module) -> list[Entry]:
+    """The facts that must agree across ranks, in registration order.
+
+    Returns:
+        One ``(kind, name, shape, dtype, requires_grad)`` entry per unique parameter
+        (kind ``"param"``) and buffer (kind ``"buffer"``, requires_grad False).
+    """
+    sig: list[Entry] = [
+        ("param", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in module.named_parameters()
+    ]
+    sig += [
+        ("buffer", name, tuple(b.shape), str(b.dtype), False)
+        for name, b in module.named_buffers()
+    ]
+    return sig
+
+
+def _describe(entry: Entry | None) -> str:
+    if entry is None:
+        return "nothing (the list ended)"
+    kind, name, shape, dtype, requires_grad = entry
+    frozen = "" if kind == "buffer" else f", requires_grad={requires_grad}"
+    return f"{kind} {name!r} shape={list(shape)} dtype={dtype}{frozen}"
+
+
+def first_mismatch(reference: list[Entry], other: list[Entry]) -> str | None:
+    """Describe the first position where two signatures differ, or None if equal."""
+    for i in range(max(len(reference), len(other))):
+        a = reference[i] if i < len(reference) else None
+        b = other[i] if i < len(other) else None
+        if a != b:
+            return f"entry {i}: {_describe(a)} vs {_describe(b)}"
+    return None
+
+
+def _digest(sig: list[Entry]) -> str:
+    return hashlib.sha256(repr(sig).encode()).hexdigest()
+
+
+def check_model_consistency(
+    module: nn.Module, *, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless all ranks' models agree.
+
+    Two rounds: first a short digest per rank (cheap for large models); only when
+    digests differ, the full signatures, to name the first difference. Every rank
+    sees the same gathered data, so every rank takes the same branch and raises the
+    same error; none is left waiting in a collective.
+
+    Args:
+        module: the model this rank holds.
+        process_group: the group to compare across (default group when None).
+    """
+    world = group_size(process_group)
+    if world == 1:
+        return
+    sig = model_signature(module)
+    digests: list[str | None] = [None] * world
+    dist.all_gather_object(digests, _digest(sig), group=process_group)
+    if all(d == digests[0] for d in digests):
+        return
+    sigs: list[list[Entry] | None] = [None] * world
+    dist.all_gather_object(sigs, sig, group=process_group)
+    for rank in range(1, world):
+        diff = first_mismatch(sigs[0], sigs[rank])  # type: ignore[arg-type]
+        if diff is not None:
+            raise ModelMismatchError(
+                f"model differs between rank 0 and rank {rank} of {world}: {diff}. "
+                "Every rank must build the same model (same parameters, buffers, "
+                "shapes, dtypes and frozen flags) before wrapping it."
+            )
+    raise ModelMismatchError("model signatures differ across ranks")  # digest clash: unreachable
