@@ -1,0 +1,367 @@
+"""Triton kernels for RMSNorm and the launchers that choose among them.
+
+Two layouts, picked by the row length H:
+
+* fused ("rows") kernels, for rows that fit one block of registers: the forward reads a
+  tile of BLOCK_R rows once and writes y and one float32 rstd per row; the backward is a
+  persistent grid (a few programs per SM) whose programs walk over row tiles, write dx and
+  keep a float32 partial weight gradient in registers, stored once per program into a
+  [n_programs, H] buffer.
+* looped kernels, for longer rows (or when a fused block would spill registers): the
+  forward loops over a row in chunks twice (sum of squares, then normalise; the second pass
+  runs the chunks backwards so that the most recently read ones are still in L2); the
+  backward splits the columns into slices, each program owning one slice over many rows so
+  that its weight-gradient partial stays in registers, and a second kernel writes dx from
+  the per-(row, slice) partial dot products.
+
+The partial weight gradients are then summed by a small kernel over programs in a fixed
+order: no atomics, so two runs give bitwise the same dweight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Longest power-of-two block a fused kernel takes; longer rows go to the looped kernels.
+# Tests lower these to exercise the looped path on small rows.
+MAX_FUSED_BLOCK_FWD = 16384
+MAX_FUSED_BLOCK_BWD = 8192
+# Columns per program in the looped kernels.
+LOOP_CHUNK = 4096
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fwd_rows_kernel(
+    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # One tile of BLOCK_R whole rows per program: one read of x, one write of y.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _fwd_looped_kernel(
+    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
+    CHUNK: tl.constexpr,
+):
+    # Persistent: each program takes rows pid, pid + P, ...; a row is read in chunks twice.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs = tl.arange(0, CHUNK)
+    n_chunks = tl.cdiv(n_cols, CHUNK)
+    for row in range(pid, n_rows, n_prog):
+        x_row = X + tl.cast(row, tl.int64) * stride_x
+        y_row = Y + tl.cast(row, tl.int64) * stride_y
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, n_cols, CHUNK):
+            cols = start + offs
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+        tl.store(RSTD + row, rstd)
+        # Backwards over the chunks: the last ones read are the likeliest still in L2.
+        for k in range(0, n_chunks):
+            cols = (n_chunks - 1 - k) * CHUNK + offs
+            ok = cols < n_cols
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols, stride_x, stride_dy, stride_dx,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+):
+    # Persistent grid: program pid walks over row tiles pid, pid + P, ...; writes dx per
+    # tile and keeps its share of dweight in float32 registers until the end.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_R)
+    for tile in range(pid, n_tiles, n_prog):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        if HAS_DX:
+            w_dy = dy * w[None, :]
+            c = tl.sum(w_dy * x_hat, axis=1) / n_cols
+            dx = (w_dy - x_hat * c[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
+                     dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+    if HAS_DW:
+        tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+
+
+@triton.jit
+def _bwd_slices_kernel(
+    X, W, DY, RSTD, DOT_PART, DW_PART, n_rows, n_cols, stride_x, stride_dy,
+    BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+):
+    # Looped backward, pass 1. Program (s, q) owns column slice s over rows q, q + Q, ...:
+    # it writes the slice's share of each row's dot(g * dy, x_hat) for the dx pass and
+    # keeps the slice of dweight in registers.
+    s = tl.program_id(0)
+    q = tl.program_id(1)
+    n_q = tl.num_programs(1)
+    n_slices = tl.num_programs(0)
+    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for row in range(q, n_rows, n_q):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(X + row64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row64 * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x_hat = x * tl.load(RSTD + row)
+        if HAS_DX:
+            tl.store(DOT_PART + row64 * n_slices + s, tl.sum(dy * w * x_hat, axis=0))
+        if HAS_DW:
+            dw_acc += dy * x_hat
+    if HAS_DW:
+        tl.store(DW_PART + q * n_cols + cols, dw_acc, mask=col_ok)
+
+
+@triton.jit
+def _bwd_dx_looped_kernel(
+    X, W, DY, RSTD, DOT_PART, DX, n_rows, n_cols, n_slices, stride_x, stride_dy, stride_dx,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # Looped backward, pass 2: program (row, s) writes one slice of one row's dx.
+    row64 = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    sl = tl.arange(0, BLOCK_S)
+    # The row's full dot product, summed over slices in a fixed order.
+    dot = tl.sum(tl.load(DOT_PART + row64 * n_slices + sl, mask=sl < n_slices, other=0.0), axis=0)
+    c = dot / n_cols
+    rstd = tl.load(RSTD + row64)
+    x = tl.load(X + row64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row64 * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x_hat = x * rstd
+    dx = (dy * w - x_hat * c) * rstd
+    tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PART, OUT, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # dweight[cols] = sum over programs of PART[p, cols], always in the same order.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_ok[None, :]
+        p = tl.load(PART + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(p, axis=0)
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, per_sm: int) -> int:
+    """Programs in a persistent grid: ``per_sm`` per SM on CUDA, a few on the interpreter."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return per_sm * _sm_count(index)
+    return 3  # the interpreter runs programs one by one; 3 still exercises the partial sums
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D (rows, H) view of ``t`` with unit column stride (copies only when it must)."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.shape[0] > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps) of the fused forward for rows of ``n_cols`` elements."""
+    block_h = max(16, triton.next_power_of_2(n_cols))
+    # Several rows per program when rows are short, so each program moves enough bytes.
+    block_r = max(1, min(16, 8192 // block_h))
+    num_warps = max(1, min(16, block_r * block_h * elem_size // 2048))
+    return block_r, block_h, num_warps
+
+
+def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps, programs per SM) of the fused persistent backward."""
+    block_h = max(16, triton.next_power_of_2(n_cols))
+    block_r = max(1, min(16, 4096 // block_h))
+    tile = block_r * block_h
+    num_warps = max(4, min(16, tile // 512))
+    per_sm = 4 if num_warps <= 8 else 2
+    return block_r, block_h, num_warps, per_sm
+
+
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel.
+
+    Args:
+        x: input (*, H) in float32/float16/bfloat16, on CUDA or (interpreter) CPU.
+        weight: gain (H,).
+        eps: added to the mean square.
+        config: optional overrides (block_r, num_warps, looped, programs_per_sm, chunk)
+            used by the benchmark's tuning sweep.
+
+    Returns:
+        (y with x's shape and dtype, rstd of shape (rows,) in float32).
+    """
+    cfg = config or {}
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n_cols)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, rstd
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    block_r, block_h, num_warps = fwd_config(n_cols, x.element_size())
+    looped = cfg.get("looped", block_h > MAX_FUSED_BLOCK_FWD)
+    if looped:
+        chunk = min(cfg.get("chunk", LOOP_CHUNK), block_h)
+        grid = (min(n_rows, persistent_programs(x.device, cfg.get("programs_per_sm", 2))),)
+        _fwd_looped_kernel[grid](
+            x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
+            CHUNK=chunk, num_warps=cfg.get("num_warps", 16),
+        )
+    else:
+        block_r = cfg.get("block_r", block_r)
+        num_warps = cfg.get("num_warps", num_warps)
+        grid = (triton.cdiv(n_rows, block_r),)
+        _fwd_rows_kernel[grid](
+            x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
+            BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        )
+    return y, rstd
+
+
+def _sum_partials(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    n_parts, n_cols = part.shape
+    out = torch.empty(n_cols, dtype=out_dtype, device=part.device)
+    block_c = min(256, max(16, triton.next_power_of_2(n_cols)))
+    _sum_partials_kernel[(triton.cdiv(n_cols, block_c),)](
+        part, out, n_parts, n_cols, BLOCK_P=16, BLOCK_C=block_c, num_warps=4,
+    )
+    return out
+
+
+def rms_norm_bwd(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    needs_dx: bool = True,
+    needs_dw: bool = True,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Run the backward kernels; never writes into ``grad_output``.
+
+    Args:
+        grad_output: dL/dy, x's shape.
+        x: the forward's input.
+        weight: the forward's gain (H,).
+        rstd: the forward's per-row 1/RMS, float32 (rows,).
+        needs_dx: compute dL/dx (else None is returned in its place).
+        needs_dw: compute dL/dweight (else None).
+        config: optional overrides (block_r, num_warps, programs_per_sm, looped, chunk).
+
+    Returns:
+        (dx in x's dtype and shape or None, dweight in the weight's dtype or None).
+    """
+    cfg = config or {}
+    n_cols = x.shape[-1]
+    x2 = _as_rows(x)
+    dy2 = _as_rows(grad_output)
+    n_rows = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if needs_dw else None
+        return dx, dw
+    if not (needs_dx or needs_dw):
+        return None, None
+    dx2 = dx.view(-1, n_cols) if needs_dx else x2  # placeholder pointer when unused
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    block_r, block_h, num_warps, per_sm = bwd_config(n_cols, x.element_size())
+    looped = cfg.get("looped", block_h > MAX_FUSED_BLOCK_BWD)
+    if looped:
+        chunk = min(cfg.get("chunk", LOOP_CHUNK), block_h)
+        n_slices = triton.cdiv(n_cols, chunk)
+        n_groups = min(n_rows, max(1, persistent_programs(x.device, cfg.get("programs_per_sm", 4))
+                                   // n_slices))
+        dot_part = torch.empty((n_rows, n_slices), dtype=torch.float32, device=x.device)
+        dw_part = torch.empty((n_groups, n_cols), dtype=torch.float32, device=x.device)
+        warps = cfg.get("num_warps", 8)
+        _bwd_slices_kernel[(n_slices, n_groups)](
+            x2, w, dy2, rstd, dot_part, dw_part, n_rows, n_cols, x2.stride(0), dy2.stride(0),
+            BLOCK_H=chunk, HAS_DX=needs_dx, HAS_DW=needs_dw, num_warps=warps,
+        )
+        if needs_dx:
+            _bwd_dx_looped_kernel[(n_rows, n_slices)](
+                x2, w, dy2, rstd, dot_part, dx2, n_rows, n_cols, n_slices,
+                x2.stride(0), dy2.stride(0), dx2.stride(0),
+                BLOCK_H=chunk, BLOCK_S=max(16, triton.next_power_of_2(n_slices)), num_warps=warps,
+            )
+    else:
+        block_r = cfg.get("block_r", block_r)
+        num_warps = cfg.get("num_warps", num_warps)
+        per_sm = cfg.get("programs_per_sm", per_sm)
+        n_prog = min(triton.cdiv(n_rows, block_r), persistent_programs(x.device, per_sm))
+        dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
+        _bwd_rows_kernel[(n_prog,)](
+            x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
+            x2.stride(0), dy2.stride(0), dx2.stride(0),
+            BLOCK_R=block_r, BLOCK_H=block_h, HAS_DX=needs_dx, HAS_DW=needs_dw,
+            num_warps=num_warps,
+        )
+    dw = _sum_partials(dw_part, weight.dtype) if needs_dw else None
+    return dx, dw

@@ -1,0 +1,125 @@
+"""RMSNorm in plain PyTorch: closed-form gradients and an autograd.Function using them.
+
+With r = 1 / sqrt(mean(x**2) + eps) per row and x_hat = x * r, the forward is
+y = x_hat * g. Differentiating (derived by hand; no autograd inside):
+
+    dL/dg_j = sum over rows of dy_j * x_hat_j
+    dL/dx_j = r * (g_j * dy_j - x_hat_j * c),   c = mean_k(g_k * dy_k * x_hat_k)
+
+The second term is the gradient flowing through r: every x_j changes the row's RMS.
+All arithmetic is float32 (float64 when an input is float64); results are cast back to
+x's dtype (dx, y) and the weight's dtype (dweight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonnorm.ops.validation import check_eps, check_rms_norm_args
+
+
+def _math_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    # float32 arithmetic for float32/half inputs; float64 stays float64 (gradcheck needs it).
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS of each row of ``x`` (already in the math dtype), keeping the last dim."""
+    return torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The RMSNorm forward in plain PyTorch (differentiable by autograd).
+
+    Args:
+        x: input of shape (*, H), any floating dtype.
+        weight: gain of shape (H,).
+        eps: added to the mean square before the square root.
+
+    Returns:
+        y of x's shape and dtype.
+    """
+    check_rms_norm_args(x, weight)
+    eps = check_eps(eps)
+    dt = _math_dtype(x, weight)
+    xf = x.to(dt)
+    return (xf * _rstd(xf, eps) * weight.to(dt)).to(x.dtype)
+
+
+def rms_norm_backward_x(
+    grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
+    """Closed-form gradient of RMSNorm with respect to ``x``.
+
+    Args:
+        grad_output: dL/dy, same shape as ``x``.
+        x: the forward's input, shape (*, H).
+        weight: the forward's gain, shape (H,).
+        eps: the forward's eps.
+
+    Returns:
+        dL/dx with x's shape and dtype.
+    """
+    check_rms_norm_args(x, weight)
+    _check_grad_shape(grad_output, x)
+    eps = check_eps(eps)
+    dt = _math_dtype(grad_output, x, weight)
+    xf, dy, g = x.to(dt), grad_output.to(dt), weight.to(dt)
+    r = _rstd(xf, eps)
+    x_hat = xf * r
+    g_dy = g * dy
+    c = (g_dy * x_hat).mean(dim=-1, keepdim=True)
+    return (r * (g_dy - x_hat * c)).to(x.dtype)
+
+
+def rms_norm_backward_weight(
+    grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
+    """Closed-form gradient of RMSNorm with respect to ``weight``.
+
+    Args:
+        grad_output: dL/dy, same shape as ``x``.
+        x: the forward's input, shape (*, H).
+        weight: the forward's gain, shape (H,).
+        eps: the forward's eps.
+
+    Returns:
+        dL/dweight of shape (H,) in the weight's dtype (summed in float32 or float64).
+    """
+    check_rms_norm_args(x, weight)
+    _check_grad_shape(grad_output, x)
+    eps = check_eps(eps)
+    dt = _math_dtype(grad_output, x, weight)
+    xf, dy = x.to(dt), grad_output.to(dt)
+    x_hat = xf * _rstd(xf, eps)
+    return (dy * x_hat).reshape(-1, x.shape[-1]).sum(dim=0).to(weight.dtype)
+
+
+def _check_grad_shape(grad_output: torch.Tensor, x: torch.Tensor) -> None:
+    if tuple(grad_output.shape) != tuple(x.shape):
+        raise ValueError(
+            f"grad_output has shape {tuple(grad_output.shape)} but x has shape {tuple(x.shape)}"
+        )
+
+
+class RMSNormTorchFunction(torch.autograd.Function):
+    """RMSNorm in plain PyTorch with the hand-derived backward above.
+
+    ``RMSNormTorchFunction.apply(x, weight, eps=1e-5)``; runs on any device and dtype
+    (float64 included, so ``torch.autograd.gradcheck`` can check the derivation).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+        y = rms_norm_reference(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = float(eps)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = rms_norm_backward_x(grad_output, x, weight, ctx.eps) if need_x else None
+        dw = rms_norm_backward_weight(grad_output, x, weight, ctx.eps) if need_w else None
+        return dx, dw, None

@@ -1,0 +1,35 @@
+"""``RMSNormFunction``: the autograd.Function over the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from tritonnorm.ops import kernels
+from tritonnorm.ops.validation import check_eps, check_rms_norm_args
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with Triton forward and backward kernels.
+
+    ``RMSNormFunction.apply(x, weight, eps=1e-5)`` runs on any tensor Triton takes: CUDA,
+    or CPU when ``TRITON_INTERPRET=1`` was set before Triton was imported. The forward
+    saves x, weight and one float32 rstd per row; the backward recomputes x_hat from them.
+    y and dx have x's dtype, dweight has the weight's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+        check_rms_norm_args(x, weight, kernel=True)
+        eps = check_eps(eps)
+        y, rstd = kernels.rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = kernels.rms_norm_bwd(
+            grad_output, x, weight, rstd, needs_dx=need_x, needs_dw=need_w
+        )
+        return dx, dw, None

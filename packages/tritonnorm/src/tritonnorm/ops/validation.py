@@ -1,0 +1,53 @@
+"""Argument checks shared by every RMSNorm implementation in this package."""
+
+from __future__ import annotations
+
+import torch
+
+# Dtypes the Triton kernels read and write; all of their arithmetic is float32.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool = False) -> None:
+    """Raise a clear error when ``x`` and ``weight`` cannot be RMS-normalised together.
+
+    Args:
+        x: input of shape (*, H).
+        weight: per-feature gain, expected of shape (H,).
+        kernel: True when the Triton kernels will run, which take float32, float16 and
+            bfloat16 only (the plain-PyTorch path also takes float64).
+
+    Raises:
+        TypeError: an argument is not a tensor, or has an integer, boolean or complex
+            dtype (or float64 where the kernels run).
+        ValueError: ``x`` has no dimensions, ``weight`` is not of shape (H,), or the
+            two live on different devices.
+    """
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+        if kernel and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(
+                f"the Triton kernels take float32, float16 or bfloat16; {name} is {t.dtype} "
+                "(use RMSNormTorchFunction for float64)"
+            )
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
+    hidden = x.shape[-1]
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but x of shape {tuple(x.shape)} "
+            f"needs a weight of shape ({hidden},)"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+
+
+def check_eps(eps: float) -> float:
+    """Return ``eps`` as a float, raising ValueError unless it is finite and >= 0."""
+    eps = float(eps)
+    if not (eps >= 0.0 and eps != float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    return eps
