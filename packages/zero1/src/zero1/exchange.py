@@ -1,0 +1,120 @@
+"""The parameter exchange after each step: one broadcast per rank and bucket.
+
+Every parameter is rebound (``p.data = view``) to a slice of a flat buffer, one
+buffer per (device, dtype). Inside a buffer the parameters are laid out rank by rank,
+so the parameters one rank owns form one contiguous segment. After the local
+optimizer has updated its parameters in place, the owner's segment already holds the
+new values; broadcasting each rank's segment from its owner brings every rank up to
+date, with no copies and no allocation per step. That is ``world_size`` broadcasts
+per buffer, usually ``world_size`` in total, instead of one per parameter.
+
+Rebinding ``.data`` keeps each ``Parameter`` object (modules, gradients and hooks see
+the same tensor), but code holding the *old* storage (say, a ``state_dict()`` taken
+before the optimizer was built) no longer sees updates. If anything rebinds a
+parameter afterwards (``model.to(...)``, ``p.data = ...``), ``ensure_bound`` notices
+the changed pointer and rebuilds the buffers from the parameters' current values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Bucket:
+    """One flat buffer and, for each rank owning part of it, that rank's segment."""
+
+    flat: torch.Tensor
+    segments: list[tuple[int, torch.Tensor]]  # (global source rank, contiguous slice)
+    bound: list[tuple[torch.Tensor, int]]  # (parameter, data_ptr it must keep)
+
+
+class ParameterExchange:
+    """Keeps parameters in rank-ordered flat buffers and broadcasts them after a step.
+
+    Args:
+        params_by_rank: for each group rank, the parameters it owns, in a global
+            order that is the same on every rank.
+        group: the process group (``None`` for the default group).
+        global_ranks: the global rank of each group rank (broadcast sources).
+    """
+
+    def __init__(
+        self,
+        params_by_rank: Sequence[Sequence[torch.Tensor]],
+        group: dist.ProcessGroup | None,
+        global_ranks: Sequence[int],
+    ) -> None:
+        if len(params_by_rank) != len(global_ranks):
+            raise ValueError("params_by_rank needs one entry per rank")
+        self._params_by_rank = [list(ps) for ps in params_by_rank]
+        self._group = group
+        self._global_ranks = list(global_ranks)
+        self._buckets: list[_Bucket] = []
+        self._bind()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def broadcasts_per_step(self) -> int:
+        """How many collectives one ``synchronize`` issues."""
+        return sum(len(b.segments) for b in self._buckets)
+
+    @torch.no_grad()
+    def _bind(self) -> None:
+        """Allocate the flat buffers and point every parameter into them."""
+        world = len(self._global_ranks)
+        by_key: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        # Keys appear in the first-owned order, which is identical on every rank.
+        for rank, params in enumerate(self._params_by_rank):
+            for p in params:
+                by_key.setdefault((p.device, p.dtype), [[] for _ in range(world)])[rank].append(p)
+        self._buckets = []
+        for (device, dtype), per_rank in by_key.items():
+            total = sum(p.numel() for params in per_rank for p in params)
+            flat = torch.empty(total, device=device, dtype=dtype)
+            segments: list[tuple[int, torch.Tensor]] = []
+            bound: list[tuple[torch.Tensor, int]] = []
+            offset = 0
+            for rank, params in enumerate(per_rank):
+                start = offset
+                for p in params:
+                    view = flat[offset : offset + p.numel()].view(p.shape)
+                    view.copy_(p.data)
+                    p.data = view
+                    bound.append((p, p.data_ptr()))
+                    offset += p.numel()
+                # Ranks with nothing here are skipped by every rank alike.
+                if offset > start:
+                    segments.append((self._global_ranks[rank], flat[start:offset]))
+            self._buckets.append(_Bucket(flat, segments, bound))
+
+    def ensure_bound(self) -> bool:
+        """Rebuild the buffers if a parameter was rebound elsewhere; True if rebuilt.
+
+        Only local work (an allocation and a copy); since the layout depends on the
+        parameters alone, every rank rebuilds the same one.
+        """
+        for bucket in self._buckets:
+            for p, ptr in bucket.bound:
+                if p.data_ptr() != ptr or p.dtype != bucket.flat.dtype:
+                    self._bind()
+                    return True
+        return False
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Broadcast each rank's updated segment from its owner (collective)."""
+        works = [
+            dist.broadcast(segment, src=src, group=self._group, async_op=True)
+            for bucket in self._buckets
+            for src, segment in bucket.segments
+        ]
+        for work in works:
+            work.wait()

@@ -1,0 +1,308 @@
+"""``ShardedOptimizer``: ZeRO stage 1 around any per-parameter ``torch.optim`` optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from .accounting import optimizer_state_bytes
+from .checkpoint import (
+    check_compatible,
+    merge_shards,
+    pack_param_groups,
+    select_shard,
+    shard_state_by_global_index,
+)
+from .exchange import ParameterExchange
+from .param_groups import (
+    PARAM_KEYS,
+    check_distinct_and_colocated,
+    hyperparameters,
+    normalize_group,
+    normalize_param_groups,
+)
+from .partition import partition_parameters
+from .process_group import check_same_on_every_rank, resolve_group
+
+
+def _size(p: torch.Tensor) -> int:
+    """Partition weight: bytes, since state tensors usually take the parameter's dtype."""
+    return p.numel() * p.element_size()
+
+
+class ShardedOptimizer(Optimizer):
+    """Shards the state of ``optimizer_cls`` over the ranks of a process group (ZeRO-1).
+
+    Each parameter is owned by one rank (whole parameters, largest first onto the
+    least-loaded rank, the same on every rank). A local ``optimizer_cls`` holds only
+    this rank's parameters and state; after it steps, every rank's parameters are
+    brought to the owners' values by one broadcast per rank (and per dtype/device).
+
+    ``param_groups`` lists *all* parameters with their hyperparameters, as in a plain
+    optimizer; edits to it (LR schedulers) are copied to the local optimizer before
+    each step. ``state`` is the local optimizer's state: this rank's shard only.
+
+    Construction, ``step``, ``add_param_group`` and ``consolidate_state_dict`` are
+    collectives: call them on every rank in the same order. Without an initialised
+    ``torch.distributed`` the optimizer runs as a single rank.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts (not a bare tensor).
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass whose state is per parameter
+            (AdamW, Adam, SGD, ...).
+        process_group: the group to shard over; the default group when None.
+        **defaults: passed to ``optimizer_cls`` (lr, betas, momentum, ...).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_cls: type[Optimizer],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **defaults: Any,
+    ) -> None:
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+            raise TypeError(
+                "ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass "
+                f"(e.g. torch.optim.AdamW), got {optimizer_cls!r}"
+            )
+        if issubclass(optimizer_cls, ShardedOptimizer):
+            raise TypeError("ShardedOptimizer: optimizer_cls cannot be ShardedOptimizer itself")
+        groups = normalize_param_groups(params)
+        check_distinct_and_colocated([p for g in groups for p in g["params"]])
+        self._info = resolve_group(process_group)
+        check_same_on_every_rank(self._info, [g["params"] for g in groups], "__init__")
+
+        self._optimizer_cls = optimizer_cls
+        self._loads = [0] * self._info.world_size
+        self._owners: list[list[int]] = []  # per group, the owning rank of each parameter
+        local_groups = []
+        for group in groups:
+            owners = self._partition(group["params"])
+            self._owners.append(owners)
+            local_groups.append({**hyperparameters(group), "params": self._mine(group, owners)})
+        # An optimizer accepts empty groups, so a rank owning nothing still keeps one
+        # local group per global group and the two lists stay aligned.
+        self._local = optimizer_cls(local_groups, **defaults)
+
+        # Our groups take the local optimizer's filled-in hyperparameters, so both agree.
+        full_groups = [
+            {**hyperparameters(local), "params": group["params"]}
+            for local, group in zip(self._local.param_groups, groups)
+        ]
+        self._constructing = True
+        super().__init__(full_groups, dict(self._local.defaults))
+        self._constructing = False
+        self.state = self._local.state  # type: ignore[assignment]
+        self._consolidated_state: dict[int, Any] | None = None
+        self._exchange: ParameterExchange | None = None
+        self._rebuild_exchange()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def rank(self) -> int:
+        """This process's rank in the sharding group."""
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the state is sharded over."""
+        return self._info.world_size
+
+    @property
+    def local_optimizer(self) -> Optimizer:
+        """The ``optimizer_cls`` instance that holds and steps this rank's shard."""
+        return self._local
+
+    @property
+    def broadcasts_per_step(self) -> int:
+        """Collectives one ``step`` issues to exchange parameters (0 on one rank)."""
+        return 0 if self._exchange is None else self._exchange.broadcasts_per_step
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank that owns ``param``'s optimizer state."""
+        for group, owners in zip(self.param_groups, self._owners):
+            for p, owner in zip(group["params"], owners):
+                if p is param:
+                    return owner
+        raise ValueError("ShardedOptimizer.owner_of: the tensor is not one of the parameters")
+
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shard only)."""
+        return optimizer_state_bytes(self._local)
+
+    # ------------------------------------------------------------------ sharding
+    def _partition(self, params: list[torch.Tensor]) -> list[int]:
+        owners, self._loads = partition_parameters(
+            [_size(p) for p in params], self._info.world_size, self._loads
+        )
+        return owners
+
+    def _mine(self, group: dict[str, Any], owners: list[int]) -> list[torch.Tensor]:
+        return [p for p, owner in zip(group["params"], owners) if owner == self._info.rank]
+
+    def _rebuild_exchange(self) -> None:
+        if self._info.world_size == 1:
+            return
+        by_rank: list[list[torch.Tensor]] = [[] for _ in range(self._info.world_size)]
+        for group, owners in zip(self.param_groups, self._owners):
+            for p, owner in zip(group["params"], owners):
+                by_rank[owner].append(p)
+        self._exchange = ParameterExchange(by_rank, self._info.group, self._info.global_ranks)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group and shard its parameters (collective: call it on every rank).
+
+        Also works mid-training (unfreezing layers): the new parameters continue the
+        load balance of the existing ones, and the parameter buffers are rebuilt.
+
+        Args:
+            param_group: a dict with ``params`` and optional hyperparameters.
+        """
+        if getattr(self, "_constructing", False):
+            # Optimizer.__init__ registering the groups we prepared.
+            super().add_param_group(param_group)
+            return
+        group = normalize_group(param_group)
+        existing = [p for g in self.param_groups for p in g["params"]]
+        check_distinct_and_colocated(group["params"], existing)
+        check_same_on_every_rank(self._info, [group["params"]], "add_param_group")
+        loads_before = self._loads
+        owners = self._partition(group["params"])
+        try:
+            self._local.add_param_group(
+                {**hyperparameters(group), "params": self._mine(group, owners)}
+            )
+        except BaseException:
+            self._loads = loads_before
+            raise
+        local = self._local.param_groups[-1]
+        super().add_param_group({**hyperparameters(local), "params": group["params"]})
+        self._owners.append(owners)
+        self._consolidated_state = None
+        self._rebuild_exchange()
+
+    # ------------------------------------------------------------------ stepping
+    def _push_hyperparameters(self) -> None:
+        """Copy hyperparameters from our groups (where schedulers edit them) to the shard."""
+        for group, local in zip(self.param_groups, self._local.param_groups):
+            for key, value in group.items():
+                if key not in PARAM_KEYS:
+                    local[key] = value
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Step this rank's shard, then give every rank the updated parameters.
+
+        Collective. ``closure`` (if any) is evaluated once, here, on every rank.
+
+        Args:
+            closure: re-evaluates the model and returns the loss.
+            **kwargs: passed on to the local optimizer's ``step``.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._push_hyperparameters()
+        self._local.step(**kwargs)
+        if self._exchange is not None:
+            self._exchange.ensure_bound()
+            self._exchange.synchronize()
+        self._consolidated_state = None
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard state onto rank ``to`` (collective; tensors on CPU).
+
+        Afterwards ``state_dict()`` on rank ``to`` returns the full state, until the
+        next ``step``, ``add_param_group`` or ``load_state_dict``.
+
+        Args:
+            to: the rank in the sharding group that receives the state.
+        """
+        info = self._info
+        if not isinstance(to, int) or not 0 <= to < info.world_size:
+            raise ValueError(
+                f"ShardedOptimizer.consolidate_state_dict: to must be a rank in "
+                f"[0, {info.world_size}), got {to!r}"
+            )
+        local_to_global = [
+            index
+            for index, owner in enumerate(o for owners in self._owners for o in owners)
+            if owner == info.rank
+        ]
+        shard = shard_state_by_global_index(self._local.state_dict(), local_to_global)
+        if info.world_size == 1:
+            shards: list[Any] = [shard]
+        else:
+            shards = [None] * info.world_size if info.rank == to else None  # type: ignore[assignment]
+            dist.gather_object(shard, shards, dst=info.global_ranks[to], group=info.group)
+        self._consolidated_state = merge_shards(shards) if info.rank == to else None
+        self._consolidated_on = to
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in ``optimizer_cls``'s format (only after consolidation).
+
+        Raises:
+            RuntimeError: on ranks other than the one consolidated to, or when the state
+                changed since ``consolidate_state_dict``.
+        """
+        if self._consolidated_state is None:
+            raise RuntimeError(
+                f"ShardedOptimizer.state_dict: rank {self._info.rank} holds no consolidated "
+                "state. Call consolidate_state_dict(to=r) on every rank (again after any "
+                "step), then state_dict() on rank r only."
+            )
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict: dict[str, Any] = {
+            "state": dict(self._consolidated_state),
+            "param_groups": pack_param_groups(self.param_groups),
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (ours or a plain ``optimizer_cls``'s), at any world size.
+
+        Every rank keeps the state of the parameters it owns and takes the groups'
+        hyperparameters. Not a collective, but call it on every rank.
+
+        Args:
+            state_dict: what ``state_dict()`` returned, possibly saved by another world
+                size, or a plain optimizer's state dict over the same parameters.
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        check_compatible(state_dict, self.param_groups)
+        self._local.load_state_dict(select_shard(state_dict, self._owners, self._info.rank))
+        self.state = self._local.state  # type: ignore[assignment]
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            params = group["params"]
+            group.clear()
+            group.update(hyperparameters(saved))
+            group["params"] = params
+        self._consolidated_state = None
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedOptimizer({self._optimizer_cls.__name__}, rank {self._info.rank} of "
+            f"{self._info.world_size}, {len(self.param_groups)} param groups)"
+        )
