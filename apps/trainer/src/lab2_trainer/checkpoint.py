@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lab2_trainer.distributed import UsageError
+from lab2_trainer.errors import UsageError
 
 FORMAT = "lab2-trainer-checkpoint"
 VERSION = 1

@@ -30,11 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lab2_trainer.errors import UsageError
+
 VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
 TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")
 
 
-class DataError(ValueError):
+class DataError(UsageError, ValueError):
     """The data cannot be read or cannot feed the requested batches."""
 
 

@@ -23,12 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lab2_trainer.errors import UsageError
+
 # Exit code of a rank that stopped on bad input (it already printed one line).
 EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line on stderr, exit code 2."""
 
 
 @dataclass

@@ -1,0 +1,169 @@
+"""What rank 0 shows and writes: progress bar, log lines, metrics.jsonl, loss curve, summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss_curve.png"
+SAMPLE_NAME = "sample.txt"
+SUMMARY_NAME = "summary.json"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a torn last line is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class RunReporter:
+    """Rank 0's console and files for one run.
+
+    Args:
+        out: output folder (exists).
+        total_steps: steps of the whole run.
+        start_step: first step of this invocation (non-zero on resume).
+        quiet: no bar and no per-step console lines.
+        log_every: steps between log lines when the console is not a terminal.
+    """
+
+    def __init__(self, out: Path, total_steps: int, start_step: int, *, quiet: bool,
+                 log_every: int) -> None:
+        self.out = out
+        self.console = Console(stderr=False, highlight=False)
+        self.quiet = quiet
+        self.log_every = log_every
+        self.metrics_path = out / METRICS_NAME
+        # A resumed run keeps the records up to its checkpoint and drops any later ones
+        # (written by the interrupted run after that checkpoint).
+        kept = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= start_step]
+        write_text_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.history = kept
+        self._file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self.progress: Progress | None = None
+        if not quiet and self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                console=self.console, transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               info="")
+            self.progress.start()
+
+    def print(self, *args: Any) -> None:
+        """A console line (above the bar when one is showing)."""
+        self.console.print(*args)
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Record one step's metrics (one JSON line) and update the bar."""
+        self._file.write(json.dumps(record) + "\n")
+        self.history.append(record)
+        info = (f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s")
+        if "val_loss" in record:
+            self.print(f"step {record['step']:>6}  val loss {record['val_loss']:.4f}  "
+                       f"ppl {record['val_ppl']:.2f}")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], info=info)
+        elif not self.quiet and record["step"] % self.log_every == 0:
+            self.print(f"step {record['step']:>6}  {info}")
+
+    def close(self) -> None:
+        """Stop the bar and close the metrics file."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        self._file.close()
+
+    def plot(self, unigram_entropy: float | None) -> Path | None:
+        """Training and validation loss against step, with the unigram entropy as a line."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        steps = [r["step"] for r in self.history]
+        losses = [r["loss"] for r in self.history]
+        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        ax.plot(steps, losses, lw=1, label="train loss")
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation loss")
+        if unigram_entropy is not None:
+            ax.axhline(unigram_entropy, color="gray", ls="--", label="unigram entropy")
+            ax.axhline(0.75 * unigram_entropy, color="gray", ls=":",
+                       label="75% of unigram entropy")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats / token)")
+        ax.set_title("lab2-train loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = self.out / PLOT_NAME
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        os.replace(tmp, path)
+        return path
+
+    def summary(self, summary: dict[str, Any], outputs: dict[str, str]) -> None:
+        """Write summary.json and print the final figures and where every output went."""
+        summary = dict(summary, outputs=outputs)
+        write_text_atomic(self.out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        table = Table(title="lab2-train summary", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        val, ent = summary.get("final_val_loss"), summary.get("unigram_entropy")
+        if val is not None:
+            table.add_row("final val loss", f"{val:.4f} nats/token (perplexity "
+                                            f"{math.exp(min(val, 50)):.2f})")
+        if ent is not None:
+            table.add_row("unigram entropy", f"{ent:.4f} nats/token (byte frequencies of train)")
+        if val is not None and ent:
+            ratio = val / ent
+            table.add_row("val / unigram", f"{ratio:.3f} ({(1 - ratio) * 100:.1f}% below)")
+        table.add_row("steps", f"{summary['steps']} ({summary['tokens']:,} tokens)")
+        table.add_row("wall time", f"{summary['train_seconds']:.1f} s training "
+                                   f"({summary['tokens_per_s']:,.0f} tokens/s)")
+        table.add_row("setup", summary["setup"])
+        for name, path in outputs.items():
+            table.add_row(name, path)
+        self.print(table)
+
+
+class StepTimer:
+    """Tokens per second over the last step."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
