@@ -1,0 +1,135 @@
+"""``lab2-train bench SUITE [options]``: the model-level benchmark suites.
+
+Every suite takes the common options (``--quick``, ``--out``, ``--device``, ``--preset``,
+``--precision``, batch and context sizes, warm-up and step counts); ``--quick`` runs a micro
+model on the CPU in seconds. ``lab2-train bench SUITE --help`` lists a suite's own options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from lab2_trainer.bench import (
+    compiled,
+    ddp,
+    e2e,
+    memory,
+    norm_swap,
+    precision,
+    stack,
+    zero,
+)
+from lab2_trainer.bench.report import SuiteOutput
+from lab2_trainer.bench.workload import PRECISIONS, preset_names, resolve_device
+
+SUITES = {m.NAME: m for m in (e2e, precision, compiled, norm_swap, memory, ddp, zero, stack)}
+
+#: What ``--quick`` sets for every option the user did not give.
+QUICK = dict(device="cpu", presets=["micro"], batch_size=2, context_length=16, warmup=1,
+             steps=2, rounds=1)
+#: Defaults otherwise (the handout's table: 5 warm-up steps, 10 timed).
+FULL = dict(device="auto", presets=["small"], batch_size=4, context_length=256, warmup=5,
+            steps=10, rounds=3)
+
+
+def _csv(kind: type) -> type:
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    parse.__name__ = f"list of {kind.__name__}"
+    return parse
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("common options")
+    g.add_argument("--quick", action="store_true",
+                   help="micro model on the CPU, 2 steps: a smoke run in seconds")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="write <suite>.jsonl, <suite>.md and PNG plots here")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
+    g.add_argument("--preset", dest="presets", type=_csv(str), default=None, metavar="P[,P...]",
+                   help=f"model presets, comma-separated: {', '.join(preset_names())}")
+    g.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="autocast precision (default fp32)")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per step (per rank)")
+    g.add_argument("--context-length", type=int, default=None, help="tokens per sequence")
+    g.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    g.add_argument("--norm", default=None,
+                   help="norm layer of the model (tritonnorm, reference, torch, layernorm)")
+    g.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    g.add_argument("--steps", type=int, default=None, help="timed steps")
+    g.add_argument("--seed", type=int, default=0, help="model and data seed")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (per rank for ddp/zero/stack; default: 1 with "
+                        "--quick, else torch's default, or cores // world size per rank)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lab2-train bench",
+        description="Model-level benchmark suites of the lab2 Transformer.",
+    )
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    for name, module in SUITES.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        _common(p)
+        module.add_arguments(p)
+    return parser
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for key in ("batch_size", "context_length", "steps"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"lab2-train bench: --{key.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        raise SystemExit("lab2-train bench: --warmup must be >= 0")
+    unknown = [p for p in args.presets if p not in preset_names()]
+    if unknown:
+        raise SystemExit(f"lab2-train bench: unknown preset(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(preset_names())}")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("lab2-train bench: --threads must be >= 1")
+    if args.quick and args.threads is None:
+        # On a small shared CPU, a second OpenMP thread waiting at every barrier for a core
+        # that another process holds makes tiny ops 100x slower.
+        args.threads = 1
+    try:
+        args.device = str(resolve_device(args.device))
+    except (ValueError, RuntimeError) as err:
+        raise SystemExit(f"lab2-train bench: {err}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one suite. Returns 0; bad options exit with a one-line message."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    _fill_defaults(args)
+    module = SUITES[args.suite]
+    out = SuiteOutput(args.suite, args.out)
+    t0 = time.perf_counter()
+    saved_threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        module.run(args, out)
+    finally:
+        torch.set_num_threads(saved_threads)
+    out.finish()
+    where = f"; results in {args.out}" if args.out else ""
+    print(f"[bench {args.suite}] {len(out.rows)} rows in {time.perf_counter() - t0:.1f}s{where}",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

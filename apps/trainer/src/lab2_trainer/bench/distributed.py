@@ -1,0 +1,239 @@
+"""Shared machinery of the multi-rank suites (``ddp``, ``zero``, ``stack``).
+
+Every rank builds the same model from the same seed, then measures each variant in turn,
+``rounds`` times over with the order rotated each round, so slow drifts of a shared machine
+(another job starting, thermal limits) fall on every variant alike instead of on whichever
+ran last. A variant is rebuilt from a CPU copy of the initial model each time it runs, so all
+variants start from identical parameters and see identical batches, and only one variant's
+parameters, gradients and optimizer state are alive at once.
+
+Each step starts after a barrier (so ranks start together, as they do in training after the
+previous step's collectives) and is timed at named points with ``StepMarks``: CUDA events
+on the compute stream on GPU (nothing inside the step synchronises, so overlap is left
+intact), wall time on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lab2_trainer.bench.workload import (
+    StepMarks,
+    autocast,
+    build_config,
+    build_model,
+    free_memory,
+    random_batch,
+)
+
+#: The points of a step, in order; durations are measured from the step's start.
+POINTS = ("forward", "backward", "sync", "optimizer")
+
+
+@dataclass
+class RankSpec:
+    """Settings every rank receives (picklable)."""
+
+    preset: str
+    context_length: int
+    batch_size: int
+    vocab_size: int | None
+    norm: str | None
+    precision: str
+    seed: int
+    warmup: int
+    steps: int
+    rounds: int
+    variants: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Variant:
+    """One way of training, ready to step.
+
+    Attributes:
+        model: the bare model (its parameters, gradients and state are accounted).
+        call: what the forward goes through (a wrapper, or the model itself).
+        optimizer: steps the parameters.
+        sync: called after backward: waits for or performs the gradient averaging.
+    """
+
+    model: nn.Module
+    call: nn.Module
+    optimizer: torch.optim.Optimizer
+    sync: Callable[[], None] = lambda: None
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser, *, default_world_size: int = 2) -> None:
+    parser.add_argument("--world-size", type=int, default=default_world_size,
+                        help=f"ranks to spawn (default {default_world_size}; Gloo on the CPU, "
+                             "NCCL with one GPU per rank on CUDA)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="measure every variant this many times, order rotated each round "
+                             "(default 3; 1 with --quick)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds before the ranks are killed (default 1800)")
+
+
+def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
+              **extra: Any) -> RankSpec:
+    if args.rounds < 1:
+        raise SystemExit("lab2-train bench: --rounds must be >= 1")
+    return RankSpec(preset=preset, context_length=args.context_length,
+                    batch_size=args.batch_size, vocab_size=args.vocab_size, norm=args.norm,
+                    precision=args.precision, seed=args.seed, warmup=args.warmup,
+                    steps=args.steps, rounds=args.rounds, variants=variants, extra=extra)
+
+
+def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
+    """Spawn ``args.world_size`` ranks running ``fn(rank, world_size, spec)``."""
+    from lab2_trainer.bench.launcher import RankError, spawn_ranks
+
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    try:
+        return spawn_ranks(fn, args.world_size, spec, device=device, timeout=args.timeout,
+                           threads=args.threads)
+    except (RankError, ValueError) as err:
+        raise SystemExit(f"lab2-train bench {args.suite}: {err}") from None
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def base_model(spec: RankSpec, *, norm: str | None = None) -> nn.Module:
+    """The initial model, on the CPU (copied to the device per variant)."""
+    config = build_config(spec.preset, context_length=spec.context_length,
+                          vocab_size=spec.vocab_size, norm=norm or spec.norm)
+    return build_model(config, "cpu", seed=spec.seed)
+
+
+def rank_batches(model: nn.Module, spec: RankSpec, rank: int, device: torch.device,
+                 count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A few batches of this rank's own slice of the data (cycled over the steps)."""
+    return [random_batch(model.config, spec.batch_size, device,
+                         seed=spec.seed * 1_000_003 + rank * 1009 + i) for i in range(count)]
+
+
+def fresh_copy(base: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``base`` on ``device`` (identical parameters on every rank and variant)."""
+    return copy.deepcopy(base).to(device)
+
+
+def run_step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
+             device: torch.device) -> dict[str, float]:
+    """One training step, timed at every point of :data:`POINTS` (seconds from its start)."""
+    idx, tgt = batch
+    marks = StepMarks(device)
+    marks.mark("start")
+    v.optimizer.zero_grad(set_to_none=True)
+    with autocast(precision, device):
+        _, loss = v.call(idx, tgt)
+    marks.mark("forward")
+    loss.backward()
+    marks.mark("backward")
+    v.sync()
+    marks.mark("sync")
+    v.optimizer.step()
+    marks.mark("optimizer")
+    return marks.durations()
+
+
+def measure_variants(
+    rank: int,
+    spec: RankSpec,
+    build: Callable[[str], Variant],
+    batches_for: Callable[[str], list],
+    *,
+    after_variant: Callable[[str, Variant, int], None] | None = None,
+    on_first_step: Callable[[str, Variant], dict] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every variant ``spec.rounds`` times (rotated order) and collect step timings.
+
+    Args:
+        rank: this rank.
+        spec: the suite's settings.
+        build: makes a fresh ``Variant`` by name.
+        batches_for: this rank's batches for a variant (cycled over the steps).
+        after_variant: called with (name, variant, round) after a variant's timed steps
+            (e.g. to take a profiler trace), before it is freed.
+        on_first_step: if given, runs the first warm-up step of each variant's first round
+            instead of ``run_step`` (e.g. with memory measurement); gets (name, variant) and
+            returns a dict kept under ``"first_step"``.
+
+    Returns:
+        ``{variant: {"steps": [durations per timed step], "first_step": {...}}}``.
+    """
+    device = rank_device()
+    results: dict[str, dict[str, Any]] = {name: {"steps": []} for name in spec.variants}
+    for rnd in range(spec.rounds):
+        shift = rnd % len(spec.variants)
+        order = spec.variants[shift:] + spec.variants[:shift]
+        for name in order:
+            t0 = time.perf_counter()
+            free_memory(device)
+            v = build(name)
+            batches = batches_for(name)
+            for i in range(spec.warmup + spec.steps):
+                batch = batches[i % len(batches)]
+                dist.barrier()
+                if i == 0 and on_first_step is not None and rnd == 0:
+                    results[name]["first_step"] = on_first_step(name, v)
+                    continue
+                d = run_step(v, batch, spec.precision, device)
+                if i >= spec.warmup:
+                    results[name]["steps"].append(d)
+            if after_variant is not None:
+                after_variant(name, v, rnd)
+            del v
+            free_memory(device)
+            if rank == 0:
+                print(f"  [rank 0] round {rnd + 1}/{spec.rounds} {name}: "
+                      f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    return results
+
+
+def summarize(per_rank: list[dict[str, dict[str, Any]]], variant: str) -> dict[str, float]:
+    """Combine the ranks' timings of one variant.
+
+    The step time of a step is the slowest rank's (the step is over when every rank is);
+    the phases (forward, backward, sync wait, optimizer) are averaged over ranks and steps.
+    """
+    from lab2bench import Stats
+
+    runs = [r[variant]["steps"] for r in per_rank]
+    n = min(len(s) for s in runs)
+    if n == 0:
+        raise ValueError(f"variant {variant}: no timed steps (need --steps >= 1)")
+    step = Stats.from_samples([max(run[i]["optimizer"] for run in runs) for i in range(n)])
+
+    def phase(a: str | None, b: str) -> float:
+        vals = [s[b] - (s[a] if a else 0.0) for run in runs for s in run[:n]]
+        return statistics.fmean(vals)
+
+    return {
+        "step_ms": step.mean * 1e3,
+        "step_std_ms": step.std * 1e3,
+        "step_median_ms": step.median * 1e3,
+        "forward_ms": phase(None, "forward") * 1e3,
+        "backward_ms": phase("forward", "backward") * 1e3,
+        "sync_wait_ms": phase("backward", "sync") * 1e3,
+        "optimizer_ms": phase("sync", "optimizer") * 1e3,
+        "n_steps": n,
+        "step_samples_ms": [s * 1e3 for s in step.samples],
+    }

@@ -1,0 +1,69 @@
+"""Suite ``e2e``: forward and forward+backward time per preset (the handout's table).
+
+One model per preset on one device, random token batches; warm-up steps are left out and
+the figures are the mean and standard deviation over the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lab2_trainer.bench.report import SuiteOutput
+from lab2_trainer.bench.steps import MODES, stats_metrics, time_modes
+from lab2_trainer.bench.workload import (
+    build_config,
+    build_model,
+    count_parameters,
+    free_memory,
+    random_batch,
+)
+
+NAME = "e2e"
+HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"
+COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--modes", type=lambda s: s.split(","),
+                        default=["forward", "forward_backward"],
+                        help=f"comma-separated, from {', '.join(MODES)}")
+
+
+def run(args: argparse.Namespace, out: SuiteOutput) -> None:
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"lab2-train bench e2e: unknown mode(s) {', '.join(bad)}")
+    for preset in args.presets:
+        measure_preset(args, out, preset, norm=args.norm, precision=args.precision,
+                       modes=args.modes)
+    out.table(COLUMNS, title=f"e2e: batch {args.batch_size} x context {args.context_length}, "
+                             f"{args.device}, {args.warmup} warm-up + {args.steps} timed steps")
+    out.plot("time", x="params_M", y="mean_ms", series="mode")
+
+
+def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, norm: str | None,
+                   precision: str, modes: list[str], extra: dict | None = None,
+                   wrap=None) -> None:
+    """Time ``modes`` of one preset and add a row per mode (shared by several suites).
+
+    Args:
+        wrap: optional function applied to the built model (e.g. ``torch.compile``).
+        extra: more configuration fields for the rows (e.g. the compile backend).
+    """
+    config = build_config(preset, context_length=args.context_length,
+                          vocab_size=args.vocab_size, norm=norm)
+    model = build_model(config, args.device, seed=args.seed)
+    params = count_parameters(model)
+    timed = wrap(model) if wrap is not None else model
+    batch = random_batch(config, args.batch_size, args.device, seed=args.seed)
+    stats = time_modes(timed, batch, modes=modes, precision=precision,
+                       device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps)
+    tokens = args.batch_size * args.context_length
+    for mode, st in stats.items():
+        conf = {"preset": preset, "params_M": params / 1e6, "norm": config.norm,
+                "precision": precision, "mode": mode, "batch_size": args.batch_size,
+                "context_length": args.context_length, "device": args.device,
+                "warmup": args.warmup, "steps": args.steps, **(extra or {})}
+        out.add(conf, stats_metrics(st, tokens))
+    del model, timed, batch
+    free_memory(args.device)

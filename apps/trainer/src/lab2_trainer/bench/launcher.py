@@ -1,0 +1,159 @@
+"""Spawn N local ranks for a distributed benchmark, with deadlines, and collect their results.
+
+The benchmark suites ship with the app, so they carry their own small launcher instead of
+the test harness (``testing/`` is not installed). Each rank is a fresh process started from
+a forkserver that has imported torch once (so a rank starts in well under a second), joins a
+process group through a ``file://`` rendezvous in a new temporary folder (no ports to clash
+on a shared machine), runs ``fn(rank, world_size, spec)`` and puts its (picklable) result on
+a queue. A rank that raises, dies or outlives the deadline fails the whole run with its
+traceback, and every remaining rank is killed: a hung collective costs the deadline, never
+forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+class RankError(RuntimeError):
+    """A benchmark rank raised, died or did not finish in time."""
+
+
+def backend_for(device: str) -> str:
+    """Gloo for the CPU, NCCL for CUDA devices."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads each CPU rank should use so ranks do not oversubscribe the cores
+    (on 2 cores with 2 ranks: 1 thread each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, world_size))
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, device: str, init_file: str,
+           pg_timeout: float, threads: int, spec: Any, results: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        backend = backend_for(device)
+        if backend == "nccl":
+            # One GPU per rank; the device machine's NCCL environment is inherited untouched.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        try:
+            out = fn(rank, world_size, spec)
+            results.put((rank, True, out))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report everything, KeyboardInterrupt included
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, spec: Any, *, device: str = "cpu",
+                timeout: float = 600.0, pg_timeout: float | None = None,
+                threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, spec)`` on ``world_size`` local ranks; return results by rank.
+
+    Args:
+        fn: a module-level (importable) function; its result must be picklable.
+        world_size: number of ranks, >= 1. On CUDA, rank r uses GPU ``r % device_count``.
+        spec: one picklable argument passed to every rank (the suite's settings).
+        device: "cpu" (Gloo) or "cuda" (NCCL).
+        timeout: seconds the whole run may take before every rank is killed.
+        pg_timeout: the process group's collective timeout (default: ``timeout``).
+        threads: torch intra-op threads per rank (default: cores // world_size, >= 1).
+
+    Raises:
+        ValueError: ``world_size`` < 1, or more CUDA ranks than GPUs.
+        RankError: a rank raised, died or ran past ``timeout``.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+        if world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"world_size {world_size} needs one GPU per rank; "
+                f"{torch.cuda.device_count()} visible"
+            )
+    threads = threads or threads_per_rank(world_size)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="lab2-bench-rdzv-")
+    init_file = os.path.join(tmp, "rendezvous")
+    # Ranks inherit the environment: OpenMP must not start a thread per core in each.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, device, init_file, pg_timeout or timeout, threads,
+                      spec, results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(got))
+            raise RankError(f"ranks {missing} did not finish within {timeout:.0f}s")
+        try:
+            rank, ok, data = results.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in got and not p.is_alive() and p.exitcode not in (0, None)]
+            if not dead:
+                continue
+            try:  # its traceback may still be on the way
+                rank, ok, data = results.get(timeout=2.0)
+            except queue.Empty:
+                raise RankError(
+                    f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                ) from None
+        if not ok:
+            raise RankError(f"rank {rank} of {world_size} raised:\n{data}")
+        got[rank] = data
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    return [got[r] for r in range(world_size)]
