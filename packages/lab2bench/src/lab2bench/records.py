@@ -1,0 +1,204 @@
+"""Measurements on disk: one JSON line each, and atomic file writes."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from lab2bench.env import env_info
+
+
+def _fsync_dir(path: Path) -> None:
+    with_dir = getattr(os, "O_DIRECTORY", None)
+    if with_dir is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | with_dir)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_file_beside(target: str | os.PathLike[str]) -> str:
+    """Create an empty temporary file in ``target``'s folder, with the permissions a
+    plain ``open()`` would give, and return its path; ``os.replace`` it onto
+    ``target`` once written (for writers that take a path, like profiler exports)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    # mkstemp makes the file private (0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and
+    ``os.replace``, so a reader sees the old file or the new one, never half of it."""
+    target = Path(path)
+    tmp = temp_file_beside(target)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """``atomic_write_bytes`` for UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Make ``obj`` JSON-ready: dataclass-like objects with ``to_dict``, torch dtypes and
+    devices, paths, numpy and torch scalars; NaN and infinities become None."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):
+        return to_jsonable(obj.to_dict())
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    item = getattr(obj, "item", None)  # numpy scalars, one-element tensors
+    if callable(item):
+        try:
+            return to_jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(obj)  # torch.dtype, torch.device and anything else: readable text
+
+
+def utc_timestamp() -> str:
+    """Now, in ISO 8601 UTC with seconds (``2026-11-30T04:05:06Z``)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Recorder:
+    """Appends one JSON line per measurement to a file.
+
+    Each line is ``{"suite", "run_id", "timestamp", "config", "metrics", "env"}``:
+    ``config`` says what was measured, ``metrics`` what came out, ``env`` where
+    (``env_info()``: device, versions, git commit, host). Lines are appended and
+    flushed one by one, so a run that dies keeps what it measured; ``records``
+    keeps this run's lines in memory, and ``write_final(path)`` writes them to
+    another file atomically.
+
+    Args:
+        path: the JSONL file (created with its folders; appended to if it exists).
+        run_id: tag shared by this run's lines (default: a fresh random id).
+        env: the environment dict stored on each line (default: ``env_info()``
+            computed once, on the first record).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, run_id: str | None = None,
+                 env: dict[str, Any] | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self._env = env
+        self.records: list[dict[str, Any]] = []
+
+    @property
+    def env(self) -> dict[str, Any]:
+        if self._env is None:
+            self._env = env_info()
+        return self._env
+
+    def record(self, suite: str, config: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+        """Append one measurement and return the dict written.
+
+        Args:
+            suite: the benchmark's name (``"norm"``, ``"comm"``, ...).
+            config: what was measured (shape, dtype, implementation...).
+            metrics: the results (times, bandwidths, statuses...).
+        """
+        if not isinstance(suite, str) or not suite:
+            raise ValueError(f"suite must be a non-empty string, got {suite!r}")
+        if not isinstance(config, dict) or not isinstance(metrics, dict):
+            raise TypeError("config and metrics must be dicts")
+        rec = to_jsonable({
+            "suite": suite,
+            "run_id": self.run_id,
+            "timestamp": utc_timestamp(),
+            "config": config,
+            "metrics": metrics,
+            "env": self.env,
+        })
+        line = json.dumps(rec, sort_keys=False, allow_nan=False)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+        self.records.append(rec)
+        return rec
+
+    def write_final(self, path: str | os.PathLike[str]) -> Path:
+        """Write this run's records (only) to ``path`` as JSONL, atomically."""
+        return write_jsonl(path, self.records)
+
+
+def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> Path:
+    """Write ``records`` as JSON lines to ``path``, atomically."""
+    text = "".join(json.dumps(to_jsonable(r), allow_nan=False) + "\n" for r in records)
+    return atomic_write_text(path, text)
+
+
+def read_records(path: str | os.PathLike[str], *, suite: str | None = None,
+                 run_id: str | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL file written by ``Recorder`` (or ``write_jsonl``).
+
+    A last line cut short (a run killed mid-write) is skipped with a warning; a bad
+    line elsewhere raises ``ValueError`` naming its line number.
+
+    Args:
+        path: the file.
+        suite: keep only records of this suite.
+        run_id: keep only records of this run.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    out: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                warnings.warn(f"{path}: last line {number} is incomplete, skipped", stacklevel=2)
+                continue
+            raise ValueError(f"{path}: line {number} is not valid JSON: {err}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}: line {number} is not a JSON object")
+        if suite is not None and rec.get("suite") != suite:
+            continue
+        if run_id is not None and rec.get("run_id") != run_id:
+            continue
+        out.append(rec)
+    return out

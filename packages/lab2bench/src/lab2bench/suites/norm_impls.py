@@ -1,0 +1,128 @@
+"""The RMSNorm implementations the ``norm`` suite puts side by side.
+
+Each maker takes the weight (and bias, used by LayerNorm) and returns a callable
+``x -> y``, or raises ``Unavailable`` saying why it cannot run here. Optional
+libraries (tritonnorm, Liger-Kernel) are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-5
+NormFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Unavailable(RuntimeError):
+    """This implementation cannot run here (library missing, wrong device...)."""
+
+
+def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """The formula in eager PyTorch, computed in float32, returned in x's dtype."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """float64 reference for the correctness check."""
+    x64, w64 = x.double(), weight.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps) * w64
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation: its name, what it computes, and how to make it."""
+
+    name: str
+    description: str
+    make: Callable[[torch.Tensor, torch.Tensor], NormFn]
+    #: LayerNorm computes something else; its error is checked against LayerNorm.
+    is_rms: bool = True
+    #: Left out of ``--quick`` unless named with ``--impl`` (too slow to set up there).
+    slow_setup: bool = False
+
+
+def _make_naive(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    return lambda x: rms_norm_naive(x, w)
+
+
+def _tritonnorm():
+    try:
+        import tritonnorm
+    except ImportError:
+        raise Unavailable("tritonnorm is not installed (pip install lab2bench[norm])") from None
+    return tritonnorm
+
+
+def _make_tritonnorm_torch(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    fn = getattr(_tritonnorm(), "RMSNormTorchFunction", None)
+    if fn is None:
+        raise Unavailable("this tritonnorm has no RMSNormTorchFunction")
+    return lambda x: fn.apply(x, w, EPS)
+
+
+def _make_tritonnorm_triton(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise Unavailable("Triton kernels need a CUDA device (or TRITON_INTERPRET=1)")
+    fn = getattr(_tritonnorm(), "RMSNormFunction", None)
+    if fn is None:
+        raise Unavailable("this tritonnorm has no RMSNormFunction")
+    return lambda x: fn.apply(x, w, EPS)
+
+
+def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    if not hasattr(torch, "compile"):
+        raise Unavailable("torch.compile is not available")
+    # A fresh compilation per shape: one compiled function reused over many shapes
+    # would hit dynamo's recompile limit and silently fall back to eager.
+    torch._dynamo.reset()
+    compiled = torch.compile(rms_norm_naive, dynamic=False)
+    return lambda x: compiled(x, w)
+
+
+def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    if not hasattr(F, "rms_norm"):
+        raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.rms_norm")
+    shape = (w.shape[0],)
+    return lambda x: F.rms_norm(x, shape, w, EPS)
+
+
+def _make_layer_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    shape = (w.shape[0],)
+    return lambda x: F.layer_norm(x, shape, w, b, EPS)
+
+
+def _make_liger(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        raise Unavailable("Liger-Kernel is not installed (pip install lab2bench[liger])") from None
+    if w.device.type != "cuda":
+        raise Unavailable("Liger-Kernel needs a CUDA device")
+    # Positional: (X, W, eps, offset, casting_mode); the later in_place flag keeps its
+    # default across versions. "llama" casting computes in float32.
+    return lambda x: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama")
+
+
+IMPLS: dict[str, Impl] = {
+    impl.name: impl
+    for impl in (
+        Impl("torch-naive", "the formula in eager PyTorch, fp32 math", _make_naive),
+        Impl("tritonnorm-torch", "tritonnorm.RMSNormTorchFunction (hand-written backward)",
+             _make_tritonnorm_torch),
+        Impl("tritonnorm", "tritonnorm.RMSNormFunction (Triton kernels)", _make_tritonnorm_triton),
+        Impl("compile-naive", "torch.compile of torch-naive", _make_compiled, slow_setup=True),
+        Impl("F.rms_norm", "torch.nn.functional.rms_norm", _make_f_rms_norm),
+        Impl("F.layer_norm", "torch.nn.functional.layer_norm (LayerNorm, for scale)",
+             _make_layer_norm, is_rms=False),
+        Impl("liger", "Liger-Kernel's LigerRMSNormFunction", _make_liger),
+    )
+}
+#: Implementations from tritonnorm; the others are the alternatives they are compared to.
+OURS = ("tritonnorm", "tritonnorm-torch")

@@ -1,0 +1,249 @@
+"""Timing a callable correctly: warm-up, synchronisation, L2 flush, statistics.
+
+GPU kernels run asynchronously: the Python call returns as soon as the work is
+queued. ``measure`` therefore records CUDA events around each call and waits for
+the device before reading them; on the CPU it reads ``timeit.default_timer``.
+The first calls compile kernels, fill caches and grow the allocator, so a few
+warm-up calls run first and are left out of the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import timeit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lab2bench.devices import resolve_device, synchronize
+
+#: Bytes written between timed calls to evict the GPU's L2 cache. An H100/H200 has
+#: 50-60 MB of L2; 256 MiB is several times that, so nothing of the previous call's
+#: data is left in it.
+CUDA_FLUSH_BYTES = 256 * 1024 * 1024
+#: On the CPU the buffer only needs to outgrow a core's L2 (and most of the LLC).
+CPU_FLUSH_BYTES = 64 * 1024 * 1024
+
+_flush_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of the timed samples of one measurement, all in seconds.
+
+    ``std`` is the sample standard deviation (n - 1 in the denominator), 0 for a
+    single sample. ``samples`` keeps every timed call in order.
+    """
+
+    mean: float
+    std: float
+    median: float
+    min: float
+    max: float
+    samples: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> Stats:
+        """Summarise a non-empty sequence of durations in seconds."""
+        values = [float(s) for s in samples]
+        if not values:
+            raise ValueError("Stats.from_samples needs at least one sample")
+        if any(math.isnan(v) for v in values):
+            raise ValueError(f"a sample is NaN: {values}")
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        return cls(
+            mean=statistics.fmean(values),
+            std=std,
+            median=statistics.median(values),
+            min=min(values),
+            max=max(values),
+            samples=values,
+        )
+
+    @property
+    def n(self) -> int:
+        """Number of timed samples."""
+        return len(self.samples)
+
+    @property
+    def mean_ms(self) -> float:
+        return self.mean * 1e3
+
+    @property
+    def std_ms(self) -> float:
+        return self.std * 1e3
+
+    @property
+    def median_ms(self) -> float:
+        return self.median * 1e3
+
+    @property
+    def min_ms(self) -> float:
+        return self.min * 1e3
+
+    @property
+    def max_ms(self) -> float:
+        return self.max * 1e3
+
+    def ms(self, stat: str = "median") -> float:
+        """One statistic (``"mean"``, ``"std"``, ``"median"``, ``"min"``, ``"max"``) in ms."""
+        if stat not in ("mean", "std", "median", "min", "max"):
+            raise ValueError(f"unknown statistic {stat!r}; use mean, std, median, min or max")
+        return getattr(self, stat) * 1e3
+
+    def to_dict(self, *, unit: str = "s", samples: bool = True) -> dict[str, Any]:
+        """The statistics as a JSON-ready dict.
+
+        Args:
+            unit: ``"s"`` (keys ``mean_s``...) or ``"ms"`` (keys ``mean_ms``...).
+            samples: include the list of samples (key ``samples_s`` or ``samples_ms``).
+        """
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}.get(unit)
+        if scale is None:
+            raise ValueError(f"unit must be 's', 'ms' or 'us', got {unit!r}")
+        out: dict[str, Any] = {
+            f"{k}_{unit}": getattr(self, k) * scale for k in ("mean", "std", "median", "min", "max")
+        }
+        out["n"] = self.n
+        if samples:
+            out[f"samples_{unit}"] = [s * scale for s in self.samples]
+        return out
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    buf = _flush_buffers.get(device)
+    if buf is None:
+        nbytes = CUDA_FLUSH_BYTES if device.type == "cuda" else CPU_FLUSH_BYTES
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+            nbytes = max(nbytes, 4 * l2)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        _flush_buffers[device] = buf
+    return buf
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):
+        if not out:
+            raise ValueError("backward=True: fn returned an empty tuple/list")
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"backward=True needs fn to return a tensor, got {type(out).__name__}")
+    if not out.requires_grad:
+        raise ValueError(
+            "backward=True: fn's output does not require grad; give the inputs requires_grad=True"
+        )
+    return out
+
+
+def measure(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    device: torch.device | str | None = None,
+    flush_l2: bool = False,
+    backward: bool = False,
+    grad: torch.Tensor | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Stats:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    On CUDA each timed call sits between two CUDA events and the device is
+    synchronised after it, so the figure is the device time of the queued work.
+    On the CPU (or with an injected ``clock``) wall time is read around the call.
+
+    Args:
+        fn: a callable taking no arguments (close over the inputs).
+        warmup: untimed calls before the timed ones (compilation, caches, allocator).
+        repeats: timed calls; at least 1.
+        device: where ``fn`` runs: a ``torch.device``, a string, or None for CUDA when
+            available, else the CPU.
+        flush_l2: before each timed call, outside the timed region, overwrite a buffer
+            several times larger than the L2 cache, so every call starts cold, as
+            ``triton.testing.do_bench`` does.
+        backward: time forward and backward: ``fn`` returns a tensor (or a tuple/list
+            whose first item is used) that requires grad, and ``.backward(grad)`` runs
+            inside the timed region. Gradients accumulate into the inputs' ``.grad``
+            like in training; set them to None inside ``fn`` if the accumulation
+            should not be timed.
+        grad: the gradient passed to backward. Default: ones shaped like the output,
+            taken from the first (warm-up) call; with ``warmup=0`` one extra untimed
+            call makes it. A fresh copy is made for every call, outside the timed region.
+        clock: a zero-argument timer returning seconds (tests inject a fake one). It
+            forces the CPU path: no CUDA events and no synchronisation.
+
+    Returns:
+        The ``Stats`` of the timed calls, in seconds.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if grad is not None and not backward:
+        raise ValueError("grad is only used with backward=True")
+    dev = torch.device("cpu") if clock is not None and device is None else resolve_device(device)
+    use_events = dev.type == "cuda" and clock is None
+    timer = clock if clock is not None else timeit.default_timer
+    flush = _flush_buffer(dev) if flush_l2 else None
+
+    grad_template = grad
+
+    def run_once() -> Any:
+        nonlocal grad_template
+        out = fn()
+        if backward:
+            y = _first_tensor(out)
+            if grad_template is None:
+                grad_template = torch.ones_like(y)
+            y.backward(grad_template)
+        return out
+
+    # Events record on the current stream of the current device: make it ``dev``'s.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for _ in range(warmup):
+            run_once()
+        if backward and grad_template is None:
+            run_once()  # makes the default gradient, untimed
+        synchronize(dev)
+        samples = _timed_calls(fn, repeats, dev, use_events, timer, flush, backward,
+                               grad_template, sync_cpu_path=clock is None)
+    return Stats.from_samples(samples)
+
+
+def _timed_calls(fn: Callable[[], Any], repeats: int, dev: torch.device, use_events: bool,
+                 timer: Callable[[], float], flush: torch.Tensor | None, backward: bool,
+                 grad_template: torch.Tensor | None, sync_cpu_path: bool) -> list[float]:
+    samples: list[float] = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush.zero_()
+        # A fresh gradient each call, made outside the timed region.
+        g = grad_template.clone() if backward and grad_template is not None else None
+        if use_events:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            if backward:
+                _first_tensor(out).backward(g)
+            end.record()
+            torch.cuda.synchronize(dev)
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = timer()
+            out = fn()
+            if backward:
+                _first_tensor(out).backward(g)
+            if sync_cpu_path:
+                synchronize(dev)
+            samples.append(timer() - t0)
+        del out
+    return samples
