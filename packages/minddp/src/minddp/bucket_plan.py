@@ -35,11 +35,16 @@ def validate_bucket_size_mb(bucket_size_mb: float | None) -> float | None:
     return float(bucket_size_mb)
 
 
-def assign_buckets(infos: Sequence[TensorInfo], bucket_size_mb: float | None) -> list[list[int]]:
-    """Group parameter indices into buckets, walking the parameters in reverse order.
+def assign_buckets(
+    infos: Sequence[TensorInfo],
+    bucket_size_mb: float | None,
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Group parameter indices into buckets, walking the parameters in ``order``.
 
-    Backward produces gradients roughly in reverse registration order, so filling
-    buckets from the last parameter makes the first bucket the first to be ready.
+    ``order`` is the order gradients are expected in. By default it is reverse
+    registration order (backward roughly reverses forward), so the first bucket is
+    the first to fill.
 
     Rules: a bucket holds one group only (dtype/device); adding a parameter that
     would push a bucket past ``bucket_size_mb`` MiB closes it and opens a new one; a
@@ -49,16 +54,22 @@ def assign_buckets(infos: Sequence[TensorInfo], bucket_size_mb: float | None) ->
     Args:
         infos: one entry per parameter, in registration order.
         bucket_size_mb: cap per bucket in MiB (2**20 bytes), or None.
+        order: a permutation of ``range(len(infos))``; None: reverse registration order.
 
     Returns:
-        Buckets of indices into ``infos``, ordered by their first (highest) index
-        descending; inside a bucket, indices descend too.
+        Buckets of indices into ``infos``, each listed in ``order``, the buckets sorted
+        by where their first member comes in ``order``.
     """
     cap = validate_bucket_size_mb(bucket_size_mb)
     cap_bytes = None if cap is None else cap * _MIB
+    if order is None:
+        order = list(reversed(range(len(infos))))
+    elif sorted(order) != list(range(len(infos))):
+        raise ValueError(f"order must be a permutation of range({len(infos)}), got {order}")
+    position = {index: pos for pos, index in enumerate(order)}
     open_bucket: dict[Hashable, tuple[list[int], int]] = {}
     closed: list[list[int]] = []
-    for i in reversed(range(len(infos))):
+    for i in order:
         info = infos[i]
         nbytes = info.numel * info.element_size
         members, size = open_bucket.get(info.group, ([], 0))
@@ -68,5 +79,5 @@ def assign_buckets(infos: Sequence[TensorInfo], bucket_size_mb: float | None) ->
         members.append(i)
         open_bucket[info.group] = (members, size + nbytes)
     closed.extend(members for members, _ in open_bucket.values())
-    closed.sort(key=lambda members: -members[0])
+    closed.sort(key=lambda members: position[members[0]])
     return closed

@@ -12,6 +12,7 @@ from torch import nn
 from minddp._group import trainable_parameters
 from minddp._wrapper import DataParallelWrapper
 from minddp.bucket_plan import TensorInfo, assign_buckets, validate_bucket_size_mb
+from minddp.launch_order import agree_on_order
 from minddp.stats import SyncStats
 
 
@@ -38,9 +39,12 @@ class DDPBucketed(DataParallelWrapper):
     Ordering guarantee. When the last member of a bucket gets its gradient, the
     bucket is divided by the world size and its asynchronous all-reduce starts, but
     only once every earlier bucket has started: bucket i never goes out before
-    bucket i-1. The bucket order is fixed at construction and is the same on every
-    rank, so all ranks issue the same collectives in the same order even when their
-    backward passes differ.
+    bucket i-1. The bucket order is the same on every rank, so all ranks issue the
+    same collectives in the same order even when their backward passes differ. The
+    first step uses buckets cut along reverse registration order; after it, the
+    buckets are rebuilt once along the order rank 0 saw gradients arrive in
+    (broadcast, so all ranks agree; see :mod:`minddp.launch_order`), as PyTorch's
+    DDP does, so that bucket 0 really is the first to fill.
 
     Unused parameters. A bucket with a member that got no gradient (on this rank, or
     on any) cannot fill during backward; ``finish_gradient_synchronization()``
@@ -77,19 +81,25 @@ class DDPBucketed(DataParallelWrapper):
         named = trainable_parameters(module)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        infos = [TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params]
-        self._buckets: list[_Bucket] = []
-        self._bucket_of = [0] * len(self._params)
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
-        for b, members in enumerate(assign_buckets(infos, self.bucket_size_mb)):
-            self._buckets.append(self._make_bucket(members))
-            for index in members:
-                self._bucket_of[index] = b
-        self.bucket_parameter_names = [
-            [self._names[i] for i in bucket.members] for bucket in self._buckets
+        self._infos = [
+            TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params
         ]
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        self._build_buckets(assign_buckets(self._infos, self.bucket_size_mb))
+        self._order_learned = False
+        self._observed: list[int] = []  # first-gradient arrival order, until learned
         self._register_grad_hooks(self._params)
         self._reset_step_state()
+
+    def _build_buckets(self, plan: list[list[int]]) -> None:
+        """Allocate one flat buffer per bucket of ``plan``, moving existing grads in."""
+        self._plan = plan
+        self._buckets = [self._make_bucket(members) for members in plan]
+        self._bucket_of = [0] * len(self._params)
+        for b, members in enumerate(plan):
+            for index in members:
+                self._bucket_of[index] = b
+        self.bucket_parameter_names = [[self._names[i] for i in members] for members in plan]
 
     @torch.no_grad()
     def _make_bucket(self, members: list[int]) -> _Bucket:
@@ -147,7 +157,10 @@ class DDPBucketed(DataParallelWrapper):
             self._attach_views(bucket)
 
     def _on_grad_ready(self, index: int) -> None:
-        self._used[index] = True
+        if not self._used[index]:
+            self._used[index] = True
+            if not self._order_learned:
+                self._observed.append(index)
         if not self._sync_enabled:
             return
         self._backward_seen = True
@@ -183,6 +196,15 @@ class DDPBucketed(DataParallelWrapper):
             dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         )
 
+    def _relearn_buckets(self) -> None:
+        """Rebuild the buckets along the gradient order rank 0 observed (once)."""
+        order = agree_on_order(self._observed, len(self._params), self.process_group)
+        self._order_learned = True
+        self._observed = []
+        plan = assign_buckets(self._infos, self.bucket_size_mb, order)
+        if plan != self._plan:  # same on every rank: all ranks agreed on ``order``
+            self._build_buckets(plan)
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Launch the buckets still waiting, wait for all; leave averaged gradients.
@@ -212,6 +234,8 @@ class DDPBucketed(DataParallelWrapper):
                 if self._zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
         launched_in_backward = self._launched_in_backward
+        if not self._order_learned:  # once, after the first synchronized step
+            self._relearn_buckets()
         self._reset_step_state()
         self.last_sync_stats = SyncStats(
             finish_seconds=time.perf_counter() - start,

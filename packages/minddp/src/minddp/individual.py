@@ -10,6 +10,7 @@ from torch import nn
 
 from minddp._group import trainable_parameters
 from minddp._wrapper import DataParallelWrapper
+from minddp.launch_order import agree_on_order
 from minddp.stats import SyncStats
 
 
@@ -25,13 +26,14 @@ class DDPIndividualParameters(DataParallelWrapper):
     issued, so every rank must issue the same all-reduces in the same order. Hook
     order is not reliable for that: a rank-dependent branch, an unused parameter or
     a module used in a different order than it was registered changes it. So the
-    launch order is fixed in advance: reverse registration order (the usual
-    backward order). A hook only marks its parameter ready; the wrapper then
-    launches the longest ready prefix of the fixed order. A parameter whose
-    gradient arrives early waits for its predecessors; one that never arrives holds
-    back the ones after it until ``finish_gradient_synchronization()``, which
-    launches everything left, in order. Every rank therefore issues exactly the
-    same sequence.
+    launch order is fixed: reverse registration order (the usual backward order)
+    for the first step, then the order rank 0 saw gradients arrive in during that
+    step (broadcast, so all ranks agree; see :mod:`minddp.launch_order`). A hook
+    only marks its parameter ready; the wrapper then launches the longest ready
+    prefix of the fixed order. A parameter whose gradient arrives early waits for
+    its predecessors; one that never arrives holds back the ones after it until
+    ``finish_gradient_synchronization()``, which launches everything left, in
+    order. Every rank therefore issues exactly the same sequence.
 
     Unused parameters. A parameter with no gradient on this rank is reduced as
     zeros. After the reduction one more all-reduce sums per-parameter "used" flags:
@@ -56,12 +58,17 @@ class DDPIndividualParameters(DataParallelWrapper):
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         count = len(self._params)
-        self._order = list(reversed(range(count)))  # the fixed launch order
-        self._position = [0] * count
-        for position, index in enumerate(self._order):
-            self._position[index] = position
+        self._set_order(list(reversed(range(count))))
+        self._order_learned = False
+        self._observed: list[int] = []  # first-gradient arrival order, until learned
         self._register_grad_hooks(self._params)
         self._reset_step_state()
+
+    def _set_order(self, order: list[int]) -> None:
+        self._order = order  # the fixed launch order, the same on every rank
+        self._position = [0] * len(order)
+        for position, index in enumerate(order):
+            self._position[index] = position
 
     def _reset_step_state(self) -> None:
         count = len(self._params)
@@ -74,7 +81,10 @@ class DDPIndividualParameters(DataParallelWrapper):
         self._backward_seen = False
 
     def _on_grad_ready(self, index: int) -> None:
-        self._used[index] = True
+        if not self._used[index]:
+            self._used[index] = True
+            if not self._order_learned:
+                self._observed.append(index)
         if not self._sync_enabled:
             return
         self._backward_seen = True
@@ -139,6 +149,10 @@ class DDPIndividualParameters(DataParallelWrapper):
                 if self._zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
         launched_in_backward = self._launched_in_backward
+        if not self._order_learned:  # once, after the first synchronized step
+            self._set_order(agree_on_order(self._observed, len(self._params), self.process_group))
+            self._order_learned = True
+            self._observed = []
         self._reset_step_state()
         self.last_sync_stats = SyncStats(
             finish_seconds=time.perf_counter() - start,
