@@ -46,16 +46,38 @@ def test_norm_quick(tmp_path, capsys):
     assert (out / "norm_fwdbwd_float32.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_comm_quick(tmp_path, capsys):
+def test_comm_quick(world_size, tmp_path, capsys):
+    """A Gloo test (it takes ``world_size``): the quick sweep at this cell's world size."""
     out = tmp_path / "out"
     code = main(["comm", "--quick", "--out", str(out), "--sizes", "4KB,64KB",
-                 "--repeats", "3", "--timeout", "60"])
+                 "--world-sizes", str(world_size), "--repeats", "3", "--timeout", "60"])
     assert code == 0
     assert "busbw GB/s" in capsys.readouterr().out
     records = read_records(out / "comm.jsonl", suite="comm")
     assert [r["config"]["size_bytes"] for r in records] == [4096, 65536]
     for r in records:
-        assert r["config"]["backend"] == "gloo" and r["config"]["world_size"] == 2
-        assert r["metrics"]["status"] == "ok"
-        assert r["metrics"]["time_ms"] > 0 and r["metrics"]["busbw_gbps"] > 0
+        assert r["config"]["backend"] == "gloo" and r["config"]["device"] == "cpu"
+        assert r["config"]["world_size"] == world_size
+        m = r["metrics"]
+        assert m["status"] == "ok" and m["time_ms"] > 0 and m["algbw_gbps"] > 0
+        assert m["busbw_gbps"] == pytest.approx(
+            m["algbw_gbps"] * 2 * (world_size - 1) / world_size)
     assert (out / "comm_busbw.png").exists() and (out / "comm.md").exists()
+
+
+@pytest.mark.triton
+def test_norm_quick_runs_the_triton_kernels(tmp_path, monkeypatch):
+    """In the triton-interpret session: tritonnorm's Triton kernels in the norm suite."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (nox -s triton-interpret)")
+    pytest.importorskip("tritonnorm")
+    out = tmp_path / "out"
+    code = main(["norm", "--quick", "--out", str(out), "--impl", "tritonnorm,torch-naive",
+                 "--hidden", "64", "--rows", "8", "--repeats", "1", "--warmup", "0"])
+    assert code == 0
+    rows = [r for r in read_records(out / "norm.jsonl") if r["config"]["impl"] == "tritonnorm"]
+    assert rows and rows[0]["metrics"]["status"] == "ok", rows
+    assert rows[0]["metrics"]["rel_err"] < 1e-5
+    assert rows[0]["metrics"]["fwdbwd_vs_best"] > 0

@@ -43,9 +43,9 @@ def test_tensor_bytes():
 
 def test_profile_writes_table_trace_and_stacks(tmp_path):
     a = torch.randn(32, 32)
-    with lab2bench.profile(tmp_path, name="tiny", device="cpu") as prof:
-        with lab2bench.label("matmul-block"):
-            (a @ a).relu().sum()
+    with lab2bench.profile(tmp_path, name="tiny", device="cpu") as prof, \
+            lab2bench.label("matmul-block"):
+        (a @ a).relu().sum()
     assert "matmul-block" in prof.table
     assert prof.table_path.read_text().strip() == prof.table.strip()
     trace = json.loads(prof.trace_path.read_text())

@@ -31,7 +31,7 @@ def test_recorder_lines_parse_back(tmp_path):
         assert r["run_id"] == rec.run_id
         assert r["timestamp"].endswith("Z")
         env = r["env"]
-        assert env["versions"]["torch"] == torch.__version__.split("+")[0] or env["versions"]["torch"]
+        assert torch.__version__.startswith(env["versions"]["torch"].split("+")[0])
         assert env["cpu_count"] >= 1 and env["hostname"]
         assert "git" in env and "device_name" in env
     assert [r["suite"] for r in read_records(path, suite="comm")] == ["comm"]

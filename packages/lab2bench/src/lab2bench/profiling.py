@@ -131,15 +131,18 @@ def profile(
         result.notes.append("stacks not written: with_stack=False")
         return
     stacks_path = out / f"{name}.stacks.txt"
-    metric = "self_cuda_time_total" if use_cuda else "self_cpu_time_total"
+    # Weigh stacks by device time on CUDA; fall back to CPU time when no frame got any.
+    metrics = (["self_cuda_time_total"] if use_cuda else []) + ["self_cpu_time_total"]
     tmp = temp_file_beside(stacks_path)
     try:
-        prof.export_stacks(tmp, metric=metric)
-        if os.path.getsize(tmp) == 0:
-            result.notes.append("stacks not written: the profiler recorded no Python stacks")
+        for metric in metrics:
+            prof.export_stacks(tmp, metric=metric)
+            if os.path.getsize(tmp) > 0:
+                os.replace(tmp, stacks_path)
+                result.stacks_path = stacks_path
+                break
         else:
-            os.replace(tmp, stacks_path)
-            result.stacks_path = stacks_path
+            result.notes.append("stacks not written: the profiler recorded no Python stacks")
     except Exception as err:  # stack export is best-effort: the table and trace stand alone
         result.notes.append(f"stacks not written: {type(err).__name__}: {err}")
     finally:
