@@ -37,16 +37,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         ValueError: weight is not of shape (H,), or x and weight are on different devices.
         TypeError: a non-floating dtype.
     """
-    check_rms_norm_args(x, weight)
-    eps = check_eps(eps)
     use_kernels = (
         HAS_TRITON
+        and isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
         and x.is_cuda
         and x.dtype in KERNEL_DTYPES
         and weight.dtype in KERNEL_DTYPES
     )
     if not use_kernels:
         return RMSNormTorchFunction.apply(x, weight, eps)
-    if _custom_ops.AVAILABLE:
+    # Checked here once (the kernel path is host-overhead sensitive at small sizes).
+    check_rms_norm_args(x, weight, kernel=True)
+    eps = check_eps(eps)
+    # Under torch.compile the custom op keeps the kernels in the graph (fullgraph works);
+    # in eager mode the autograd.Function runs the same kernels with less Python overhead.
+    if _custom_ops.AVAILABLE and (_is_compiling() or FORCE_CUSTOM_OP):
         return _custom_ops.rms_norm_triton(x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
+
+
+# Route eager calls through the custom op too (benchmarks and tests set this).
+FORCE_CUSTOM_OP = False
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()  # PyTorch < 2.3

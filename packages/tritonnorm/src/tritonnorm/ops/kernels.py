@@ -14,8 +14,8 @@ Two layouts, picked by the row length H:
   that its weight-gradient partial stays in registers, and a second kernel writes dx from
   the per-(row, slice) partial dot products.
 
-The partial weight gradients are then summed by a small kernel over programs in a fixed
-order: no atomics, so two runs give bitwise the same dweight.
+The [n_programs, H] float32 partial weight gradients are then summed over programs by one
+column sum of fixed shape: no atomics anywhere, so two runs give bitwise the same dweight.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import triton.language as tl
 
 # Longest power-of-two block a fused kernel takes; longer rows go to the looped kernels.
 # Tests lower these to exercise the looped path on small rows.
-MAX_FUSED_BLOCK_FWD = 16384
-MAX_FUSED_BLOCK_BWD = 8192
+MAX_FUSED_BLOCK_FWD = 32768
+MAX_FUSED_BLOCK_BWD = 16384
 # Columns per program in the looped kernels.
 LOOP_CHUNK = 4096
 
@@ -92,25 +92,47 @@ def _fwd_looped_kernel(
 def _bwd_rows_kernel(
     X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols, stride_x, stride_dy, stride_dx,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Persistent grid: program pid walks over row tiles pid, pid + P, ...; writes dx per
-    # tile and keeps its share of dweight in float32 registers until the end.
+    # tile and keeps its share of dweight in float32 registers until the end. With
+    # PREFETCH the next tile's x and dy are loaded before the current one is worked on
+    # (software pipelining by hand), so a program always has a tile's worth of loads in
+    # flight; without it (very long rows, where two tiles would not fit in registers)
+    # each tile is loaded when its turn comes.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_R)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (rows < n_rows)[:, None] & col_ok[None, :] & PREFETCH
+    rows64 = rows.to(tl.int64)
+    x_next = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     for tile in range(pid, n_tiles, n_prog):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            # Prefetch the next tile (fully masked past the end: no memory traffic).
+            nrows = rows + n_prog * BLOCK_R
+            nmask = (nrows < n_rows)[:, None] & col_ok[None, :]
+            nrows64 = nrows.to(tl.int64)
+            x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask,
+                             other=0.0)
+            dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask,
+                              other=0.0)
+        else:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         x_hat = x * rstd[:, None]
         if HAS_DX:
@@ -120,9 +142,42 @@ def _bwd_rows_kernel(
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
                      dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
-            dw_acc += tl.sum(dy * x_hat, axis=0)
+            # Elementwise accumulation: no cross-thread reduction inside the loop.
+            dw_acc += dy * x_hat
     if HAS_DW:
-        tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+        tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _fwd_rows_persistent_kernel(
+    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # As _fwd_rows_kernel, but a persistent grid that prefetches its next tile.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_R)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x_next = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
+                     other=0.0)
+    for tile in range(pid, n_tiles, n_prog):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = x_next.to(tl.float32)
+        nrows = rows + n_prog * BLOCK_R
+        nmask = (nrows < n_rows)[:, None] & col_ok[None, :]
+        x_next = tl.load(X + nrows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=nmask,
+                         other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(Y + rows.to(tl.int64)[:, None] * stride_y + cols[None, :],
+                 y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -177,27 +232,10 @@ def _bwd_dx_looped_kernel(
     tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _sum_partials_kernel(
-    PART, OUT, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    # dweight[cols] = sum over programs of PART[p, cols], always in the same order.
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < n_cols
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        mask = (parts < n_parts)[:, None] & col_ok[None, :]
-        p = tl.load(PART + parts[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        acc += tl.sum(p, axis=0)
-    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
-
-
 # --------------------------------------------------------------------------- launch helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -220,23 +258,43 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
+# Launch configurations measured best on an H200 (50,000 rows; see the package README):
+# (element size in bytes, BLOCK_H) -> (BLOCK_R, num_warps) for the forward,
+# and -> (BLOCK_R, num_warps, programs per SM) for the persistent backward.
+_FWD_TUNED = {
+    (4, 1024): (1, 4), (4, 2048): (4, 4), (4, 4096): (4, 16), (4, 8192): (1, 16),
+    (2, 1024): (4, 8), (2, 2048): (1, 4), (2, 4096): (4, 8), (2, 8192): (2, 4),
+}
+_BWD_TUNED = {
+    (4, 1024): (8, 16, 1), (4, 2048): (4, 8, 1), (4, 4096): (2, 16, 1), (4, 8192): (1, 8, 1),
+    (2, 1024): (8, 16, 1), (2, 2048): (2, 8, 2), (2, 4096): (2, 16, 1), (2, 8192): (1, 16, 1),
+    (4, 16384): (1, 16, 1), (2, 16384): (1, 16, 1),
+}
+
+
+@functools.lru_cache(maxsize=1024)
 def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_H, num_warps) of the fused forward for rows of ``n_cols`` elements."""
     block_h = max(16, triton.next_power_of_2(n_cols))
-    # Several rows per program when rows are short, so each program moves enough bytes.
-    block_r = max(1, min(16, 8192 // block_h))
+    if (elem_size, block_h) in _FWD_TUNED:
+        block_r, num_warps = _FWD_TUNED[(elem_size, block_h)]
+        return block_r, block_h, num_warps
+    # Short rows: several per program so each program moves a few KiB; long rows: one.
+    block_r = max(1, min(64, 4096 // block_h))
     num_warps = max(1, min(16, block_r * block_h * elem_size // 2048))
     return block_r, block_h, num_warps
 
 
+@functools.lru_cache(maxsize=1024)
 def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_H, num_warps, programs per SM) of the fused persistent backward."""
     block_h = max(16, triton.next_power_of_2(n_cols))
-    block_r = max(1, min(16, 4096 // block_h))
-    tile = block_r * block_h
-    num_warps = max(4, min(16, tile // 512))
-    per_sm = 4 if num_warps <= 8 else 2
-    return block_r, block_h, num_warps, per_sm
+    if (elem_size, block_h) in _BWD_TUNED:
+        block_r, num_warps, per_sm = _BWD_TUNED[(elem_size, block_h)]
+        return block_r, block_h, num_warps, per_sm
+    block_r = max(1, min(64, 8192 // block_h))
+    num_warps = max(1, min(16, block_r * block_h // 512))
+    return block_r, block_h, num_warps, 1
 
 
 def rms_norm_fwd(
@@ -268,6 +326,8 @@ def rms_norm_fwd(
     looped = cfg.get("looped", block_h > MAX_FUSED_BLOCK_FWD)
     if looped:
         chunk = min(cfg.get("chunk", LOOP_CHUNK), block_h)
+        # Two programs per SM keep about 2 * 132 rows in flight: at H = 65,536 in bfloat16
+        # that is ~34 MB, so the second pass over a row mostly finds it in L2.
         grid = (min(n_rows, persistent_programs(x.device, cfg.get("programs_per_sm", 2))),)
         _fwd_looped_kernel[grid](
             x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
@@ -276,22 +336,31 @@ def rms_norm_fwd(
     else:
         block_r = cfg.get("block_r", block_r)
         num_warps = cfg.get("num_warps", num_warps)
-        grid = (triton.cdiv(n_rows, block_r),)
-        _fwd_rows_kernel[grid](
-            x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
-            BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
-        )
+        n_tiles = triton.cdiv(n_rows, block_r)
+        per_sm = cfg.get("programs_per_sm", 0)
+        if per_sm:
+            grid = (min(n_tiles, persistent_programs(x.device, per_sm)),)
+            _fwd_rows_persistent_kernel[grid](
+                x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
+                BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+            )
+        else:
+            _fwd_rows_kernel[(n_tiles,)](
+                x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
+                BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+            )
     return y, rstd
 
 
 def _sum_partials(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    n_parts, n_cols = part.shape
-    out = torch.empty(n_cols, dtype=out_dtype, device=part.device)
-    block_c = min(256, max(16, triton.next_power_of_2(n_cols)))
-    _sum_partials_kernel[(triton.cdiv(n_cols, block_c),)](
-        part, out, n_parts, n_cols, BLOCK_P=16, BLOCK_C=block_c, num_warps=4,
-    )
-    return out
+    """Sum the per-program partial weight gradients over programs.
+
+    A plain column sum of a fixed-shape [n_programs, H] float32 buffer: PyTorch reduces
+    it without atomics in an order fixed by the shape, so the result is bitwise
+    reproducible, and one ATen call costs less host time than another Triton launch.
+    """
+    out = part.sum(dim=0)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def rms_norm_bwd(
@@ -340,7 +409,7 @@ def rms_norm_bwd(
                                    // n_slices))
         dot_part = torch.empty((n_rows, n_slices), dtype=torch.float32, device=x.device)
         dw_part = torch.empty((n_groups, n_cols), dtype=torch.float32, device=x.device)
-        warps = cfg.get("num_warps", 8)
+        warps = cfg.get("num_warps", 4)
         _bwd_slices_kernel[(n_slices, n_groups)](
             x2, w, dy2, rstd, dot_part, dw_part, n_rows, n_cols, x2.stride(0), dy2.stride(0),
             BLOCK_H=chunk, HAS_DX=needs_dx, HAS_DW=needs_dw, num_warps=warps,
@@ -361,7 +430,7 @@ def rms_norm_bwd(
             x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
             x2.stride(0), dy2.stride(0), dx2.stride(0),
             BLOCK_R=block_r, BLOCK_H=block_h, HAS_DX=needs_dx, HAS_DW=needs_dw,
-            num_warps=num_warps,
+            PREFETCH=cfg.get("prefetch", block_h <= 8192), num_warps=num_warps,
         )
     dw = _sum_partials(dw_part, weight.dtype) if needs_dw else None
     return dx, dw
