@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lab2bench
 from lab2bench import Stats, measure
@@ -153,3 +156,23 @@ def test_backward_errors_are_clear():
 def test_copy_bandwidth_positive():
     bw = lab2bench.copy_bandwidth("cpu", nbytes=1 << 20, warmup=1, repeats=3)
     assert bw > 0
+
+
+@given(st.lists(st.floats(min_value=1e-9, max_value=1e3, allow_nan=False), min_size=1,
+                max_size=40))
+def test_stats_properties(samples):
+    s = Stats.from_samples(samples)
+    assert s.min <= s.median <= s.max
+    assert s.min * (1 - 1e-12) <= s.mean <= s.max * (1 + 1e-12)
+    assert s.std >= 0
+    ref_std = float(np.std(samples, ddof=1)) if len(samples) > 1 else 0.0
+    assert s.std == pytest.approx(ref_std, rel=1e-9, abs=1e-12)
+    assert s.median == pytest.approx(float(np.median(samples)))
+    assert s.samples == samples
+
+
+def test_cuda_device_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        measure(lambda: None, device="cuda")
