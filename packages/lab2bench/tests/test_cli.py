@@ -81,3 +81,26 @@ def test_norm_quick_runs_the_triton_kernels(tmp_path, monkeypatch):
     assert rows and rows[0]["metrics"]["status"] == "ok", rows
     assert rows[0]["metrics"]["rel_err"] < 1e-5
     assert rows[0]["metrics"]["fwdbwd_vs_best"] > 0
+
+
+def test_registered_suite_runs_with_common_options(tmp_path, capsys, monkeypatch):
+    import lab2bench
+    import lab2bench.suites
+
+    monkeypatch.setattr(lab2bench.suites, "_registered", {})  # leave no suite behind
+    seen = {}
+
+    def add_arguments(parser):
+        parser.add_argument("--size", type=int, default=3)
+
+    def run(args):
+        seen.update(quick=args.quick, out=args.out, device=args.device, size=args.size)
+        return 0
+
+    lab2bench.register_suite(lab2bench.Suite("fake-suite", "a suite for tests", add_arguments, run))
+    assert main(["list"]) == 0
+    assert "fake-suite" in capsys.readouterr().out
+    assert main(["fake-suite", "--quick", "--out", str(tmp_path), "--size", "7"]) == 0
+    assert seen == {"quick": True, "out": str(tmp_path), "device": None, "size": 7}
+    with pytest.raises(TypeError, match="Suite"):
+        lab2bench.register_suite(object())

@@ -17,7 +17,8 @@ def test_recorder_lines_parse_back(tmp_path):
     rec = Recorder(path)
     stats = lab2bench.Stats.from_samples([0.001, 0.002])
     first = rec.record("norm", {"dtype": torch.bfloat16, "H": 1024, "device": torch.device("cpu")},
-                       {"median_ms": 1.5, "stats": stats, "nan": math.nan})
+                       {"median_ms": 1.5, "stats": stats, "nan": math.nan,
+                        "tensor": torch.tensor([1.0, 2.0]), "scalar": torch.tensor(3)})
     rec.record("comm", {"world_size": 2}, {"busbw_gbps": 3.25})
     lines = path.read_text().splitlines()
     assert len(lines) == 2
@@ -27,6 +28,7 @@ def test_recorder_lines_parse_back(tmp_path):
     assert back[0]["metrics"]["median_ms"] == 1.5
     assert back[0]["metrics"]["stats"]["n"] == 2
     assert back[0]["metrics"]["nan"] is None
+    assert back[0]["metrics"]["tensor"] == [1.0, 2.0] and back[0]["metrics"]["scalar"] == 3
     for r in back:
         assert r["run_id"] == rec.run_id
         assert r["timestamp"].endswith("Z")

@@ -21,6 +21,7 @@ from lab2bench.records import (
     write_jsonl,
 )
 from lab2bench.report import markdown_table, plot_sweep, progress
+from lab2bench.suites import Suite, register_suite
 from lab2bench.timing import Stats, measure
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "ProfileResult",
     "Recorder",
     "Stats",
+    "Suite",
     "atomic_write_bytes",
     "atomic_write_text",
     "comm",
@@ -47,6 +49,7 @@ __all__ = [
     "profile",
     "progress",
     "read_records",
+    "register_suite",
     "resolve_device",
     "synchronize",
     "tensor_bytes",

@@ -87,7 +87,13 @@ def to_jsonable(obj: Any) -> Any:
         return to_jsonable(obj.to_dict())
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
-    item = getattr(obj, "item", None)  # numpy scalars, one-element tensors
+    tolist = getattr(obj, "tolist", None)  # tensors and numpy arrays (and their scalars)
+    if callable(tolist) and hasattr(obj, "shape"):
+        try:
+            return to_jsonable(tolist())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    item = getattr(obj, "item", None)  # other scalar wrappers
     if callable(item):
         try:
             return to_jsonable(item())
