@@ -63,6 +63,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
     g.add_argument("--norm", default=None,
                    help="norm layer of the model (tritonnorm, reference, torch, layernorm)")
+    g.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="FIELD=VALUE",
+                   help="override a model config field, e.g. --set n_layers=4 (repeatable)")
     g.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     g.add_argument("--steps", type=int, default=None, help="timed steps")
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
@@ -98,6 +101,7 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"lab2-train bench: unknown preset(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(preset_names())}")
+    args.overrides = _parse_overrides(args.overrides)
     if args.threads is not None and args.threads < 1:
         raise SystemExit("lab2-train bench: --threads must be >= 1")
     if args.quick and args.threads is None:
@@ -108,6 +112,30 @@ def _fill_defaults(args: argparse.Namespace) -> None:
         args.device = str(resolve_device(args.device))
     except (ValueError, RuntimeError) as err:
         raise SystemExit(f"lab2-train bench: {err}") from None
+
+
+def _parse_overrides(items: list[str]) -> dict[str, object]:
+    import dataclasses
+
+    from lab2_trainer.config import ModelConfig
+
+    own_option = ("context_length", "vocab_size", "norm")
+    types = {f.name: type(f.default) for f in dataclasses.fields(ModelConfig)
+             if f.name not in own_option}
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"lab2-train bench: --set {item!r}: expected FIELD=VALUE with FIELD "
+                             f"one of {', '.join(types)} (context length, vocabulary and norm "
+                             "have their own options)")
+        kind = types[key]
+        try:
+            out[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            raise SystemExit(f"lab2-train bench: --set {item!r}: {value!r} is not a "
+                             f"{kind.__name__}") from None
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

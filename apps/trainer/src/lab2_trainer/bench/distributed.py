@@ -56,6 +56,7 @@ class RankSpec:
     steps: int
     rounds: int
     variants: list[str]
+    overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,7 +95,8 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
     return RankSpec(preset=preset, context_length=args.context_length,
                     batch_size=args.batch_size, vocab_size=args.vocab_size, norm=args.norm,
                     precision=args.precision, seed=args.seed, warmup=args.warmup,
-                    steps=args.steps, rounds=args.rounds, variants=variants, extra=extra)
+                    steps=args.steps, rounds=args.rounds, variants=variants,
+                    overrides=dict(args.overrides), extra=extra)
 
 
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
@@ -119,7 +121,8 @@ def rank_device() -> torch.device:
 def base_model(spec: RankSpec, *, norm: str | None = None) -> nn.Module:
     """The initial model, on the CPU (copied to the device per variant)."""
     config = build_config(spec.preset, context_length=spec.context_length,
-                          vocab_size=spec.vocab_size, norm=norm or spec.norm)
+                          vocab_size=spec.vocab_size, norm=norm or spec.norm,
+                          overrides=spec.overrides)
     return build_model(config, "cpu", seed=spec.seed)
 
 

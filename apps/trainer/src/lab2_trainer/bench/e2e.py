@@ -51,7 +51,7 @@ def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, n
         extra: more configuration fields for the rows (e.g. the compile backend).
     """
     config = build_config(preset, context_length=args.context_length,
-                          vocab_size=args.vocab_size, norm=norm)
+                          vocab_size=args.vocab_size, norm=norm, overrides=args.overrides)
     model = build_model(config, args.device, seed=args.seed)
     params = count_parameters(model)
     timed = wrap(model) if wrap is not None else model

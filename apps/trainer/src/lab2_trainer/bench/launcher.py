@@ -157,3 +157,26 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))
     return [got[r] for r in range(world_size)]
+
+
+def ping(rank: int, world_size: int, spec: dict[str, Any]) -> float:
+    """A check of the launcher and backend: all-reduces ``rank + spec["offset"]`` and returns
+    the sum; the rank named by ``spec["fail_rank"]`` raises instead (and the others then wait
+    in a barrier that only the launcher's deadline or the error report ends).
+
+    Args:
+        rank: this rank.
+        world_size: number of ranks.
+        spec: ``{"offset": float, "fail_rank": int | None}``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if spec.get("fail_rank") == rank:
+        raise RuntimeError(f"ping: rank {rank} fails on purpose")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(rank + spec.get("offset", 0.0))], device=device)
+    dist.all_reduce(t)
+    if spec.get("fail_rank") is not None:
+        dist.barrier()
+    return float(t.item())

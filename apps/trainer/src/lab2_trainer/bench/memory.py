@@ -53,7 +53,8 @@ def measure_one(args: argparse.Namespace, out: SuiteOutput, preset: str, ctx: in
     from lab2bench import memory_snapshot, peak_memory
 
     device = torch.device(args.device)
-    config = build_config(preset, context_length=ctx, vocab_size=args.vocab_size, norm=args.norm)
+    config = build_config(preset, context_length=ctx, vocab_size=args.vocab_size, norm=args.norm,
+                          overrides=args.overrides)
     model = build_model(config, device, seed=args.seed)
     optimizer = make_optimizer(model)
     batch = random_batch(config, args.batch_size, device, seed=args.seed)

@@ -30,7 +30,7 @@ def preset_names() -> list[str]:
 
 
 def build_config(preset: str, *, context_length: int, vocab_size: int | None = None,
-                 norm: str | None = None) -> ModelConfig:
+                 norm: str | None = None, overrides: dict[str, Any] | None = None) -> ModelConfig:
     """The model configuration of ``preset`` with the benchmark's context length.
 
     Args:
@@ -38,11 +38,13 @@ def build_config(preset: str, *, context_length: int, vocab_size: int | None = N
         context_length: sequence length of the benchmark batches (also the model's).
         vocab_size: override of the preset's vocabulary (None keeps it).
         norm: norm layer kind (None keeps the preset's default).
+        overrides: more ``ModelConfig`` fields (``--set n_layers=4``).
     """
+    fields = {**(overrides or {}), "context_length": context_length, "vocab_size": vocab_size,
+              "norm": norm}
     if preset == "micro":
-        return model_config("tiny", **{**MICRO, "context_length": context_length,
-                                       "vocab_size": vocab_size, "norm": norm})
-    return model_config(preset, context_length=context_length, vocab_size=vocab_size, norm=norm)
+        return model_config("tiny", **{**MICRO, **fields})
+    return model_config(preset, **fields)
 
 
 def build_model(config: ModelConfig, device: torch.device | str, *, seed: int = 0) -> nn.Module:

@@ -1,0 +1,102 @@
+"""Smoke runs of every ``lab2-train bench`` suite with ``--quick`` on the CPU, in-process.
+
+Each run writes into a temporary folder; the JSONL records must parse back with lab2bench's
+reader and carry the suite's figures, and the Markdown table must be printed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lab2_trainer.bench.cli import main
+from lab2bench import read_records
+
+
+def run_suite(tmp_path, capsys, suite: str, *extra: str) -> list[dict]:
+    out = tmp_path / suite
+    assert main([suite, "--quick", "--out", str(out), *extra]) == 0
+    printed = capsys.readouterr().out
+    assert "|---" in printed, printed
+    assert (out / f"{suite}.md").read_text().count("|") > 4
+    records = read_records(out / f"{suite}.jsonl")
+    assert records and all(r["suite"] == suite for r in records)
+    return records
+
+
+@pytest.mark.parametrize(
+    "suite, key",
+    [("e2e", "mean_ms"), ("precision", "speedup_vs_fp32"), ("compile", "speedup_vs_eager"),
+     ("norm", "speedup_vs_reference"), ("memory", "peak_MiB")],
+)
+def test_single_device_suites(tmp_path, capsys, suite, key):
+    records = run_suite(tmp_path, capsys, suite)
+    for r in records:
+        value = r["metrics"][key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, r
+    if suite == "e2e":
+        modes = {r["config"]["mode"] for r in records}
+        assert modes == {"forward", "forward_backward"}
+        assert (tmp_path / suite / "e2e-time.png").stat().st_size > 0
+    if suite == "norm":
+        norms = {r["config"]["norm"] for r in records}
+        assert norms == {"tritonnorm", "reference", "torch", "layernorm"}
+    if suite == "memory":
+        step = [r for r in records if r["config"]["region"] == "train_step"][0]
+        # AdamW keeps two tensors per parameter: its state is twice the parameters.
+        m = step["metrics"]
+        assert m["optim_state_MiB"] == pytest.approx(2 * m["param_MiB"], rel=0.01)
+
+
+def test_ddp_suite(tmp_path, capsys):
+    records = run_suite(tmp_path, capsys, "ddp", "--bucket-mb", "0.01,25")
+    by_variant = {r["config"]["variant"]: r["metrics"] for r in records}
+    assert set(by_variant) == {"local", "naive", "flat", "individual", "bucketed:0.01",
+                               "bucketed:25", "torch"}
+    assert by_variant["torch"]["ratio_to_torch"] == pytest.approx(1.0)
+    for m in by_variant.values():
+        assert m["step_ms"] > 0 and m["sync_wait_ms"] >= 0 and m["n_steps"] == 2
+        assert 0 <= m["exposed_share_vs_local"] <= 1
+    assert (tmp_path / "ddp" / "ddp-bucket-sweep.png").exists()
+
+
+def test_zero_suite(tmp_path, capsys):
+    records = run_suite(tmp_path, capsys, "zero")
+    by_variant = {r["config"]["variant"]: r["metrics"] for r in records}
+    assert set(by_variant) == {"adamw", "sharded", "torch_zero"}
+    adamw = by_variant["adamw"]
+    assert adamw["optim_state_MiB"] == pytest.approx(2 * adamw["param_MiB"], rel=0.01)
+    assert adamw["state_vs_total_over_n"] == pytest.approx(2.0, rel=0.01)  # 2 ranks, unsharded
+    for name in ("sharded", "torch_zero"):
+        per_rank = by_variant[name]["optim_state_bytes_per_rank"]
+        # Every parameter's state lives on exactly one rank.
+        assert sum(per_rank) == pytest.approx(adamw["optim_state_total_bytes"], rel=0.01)
+        assert by_variant[name]["step_ms"] > 0
+
+
+def test_stack_suite(tmp_path, capsys):
+    records = run_suite(tmp_path, capsys, "stack")
+    by_variant = {r["config"]["variant"]: r for r in records}
+    assert set(by_variant) == {"ours", "pytorch"}
+    assert by_variant["ours"]["config"]["norm"] == "tritonnorm"
+    assert by_variant["pytorch"]["metrics"]["ratio_to_pytorch"] == pytest.approx(1.0)
+    assert by_variant["ours"]["metrics"]["tokens_per_s"] > 0
+
+
+def test_prints_without_out(capsys):
+    assert main(["e2e", "--quick", "--modes", "forward"]) == 0
+    assert "| micro" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["e2e", "--quick", "--preset", "huge"], "unknown preset"),
+     (["e2e", "--quick", "--steps", "0"], "--steps must be >= 1"),
+     (["ddp", "--quick", "--variants", "magic"], "unknown variant"),
+     (["e2e", "--quick", "--modes", "sideways"], "unknown mode")],
+)
+def test_bad_options_exit_with_one_line(argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert message in str(info.value)

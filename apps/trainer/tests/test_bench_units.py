@@ -1,0 +1,68 @@
+"""Units of the bench package: overlap from traces, tensor accounting, the rank launcher."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lab2_trainer.bench.launcher import RankError, ping, spawn_ranks, threads_per_rank
+from lab2_trainer.bench.trace_overlap import overlap_of_events
+from lab2_trainer.bench.workload import optimizer_state_tensors, storage_bytes, tensor_breakdown
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_overlap_counts_nccl_time_under_compute():
+    events = [
+        kernel("ampere_sgemm", 0, 100),
+        kernel("elementwise", 150, 50),            # compute 0-100 and 150-200
+        kernel("ncclKernel_AllReduce_RING", 50, 100),  # 50-150: half hidden
+        kernel("ncclDevKernel_AllReduce", 180, 40),    # 180-220: 20 of 40 hidden
+        {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 500},
+    ]
+    out = overlap_of_events(events)
+    assert out["nccl_ms"] == pytest.approx(0.140)
+    assert out["hidden_ms"] == pytest.approx(0.070)
+    assert out["hidden_share"] == pytest.approx(0.5)
+
+
+def test_overlap_none_without_nccl():
+    assert overlap_of_events([kernel("gemm", 0, 10)]) is None
+
+
+def test_storage_bytes_counts_views_once():
+    flat = torch.randn(100)
+    views = [flat[:30], flat[30:]]
+    assert storage_bytes(views) == 400
+    assert storage_bytes([torch.randn(3), torch.randn(5)]) == 32
+
+
+def test_breakdown_of_adamw():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    parts = tensor_breakdown(model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert parts["param_bytes"] == parts["grad_bytes"] == 4 * n
+    # exp_avg and exp_avg_sq, plus a scalar step tensor per parameter.
+    assert 8 * n <= parts["optim_state_bytes"] <= 8 * n + 64
+    assert len(optimizer_state_tensors(opt)) == 6
+
+
+def test_launcher_returns_results_and_reports_failures():
+    assert spawn_ranks(ping, 2, {"offset": 1}, timeout=120) == [3.0, 3.0]
+    with pytest.raises(RankError, match="rank 1 fails on purpose"):
+        spawn_ranks(ping, 2, {"fail_rank": 1}, timeout=120, pg_timeout=60)
+
+
+def test_launcher_rejects_bad_world_size_and_leaves_env():
+    before = os.environ.get("OMP_NUM_THREADS")
+    with pytest.raises(ValueError, match="world_size"):
+        spawn_ranks(ping, 0, {})
+    assert os.environ.get("OMP_NUM_THREADS") == before
+    assert threads_per_rank(2) >= 1
