@@ -112,6 +112,27 @@ def test_backward_with_explicit_grad_and_tuple_output():
     assert torch.equal(g, torch.arange(5, dtype=torch.float32))  # never written into
 
 
+def test_backward_never_writes_into_the_given_gradient():
+    class WritesIntoGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            g.mul_(5)  # like a kernel that reuses grad_output's memory for dx
+            return g
+
+    x = torch.randn(3, requires_grad=True)
+    g = torch.full((3,), 2.0)
+    for _ in range(2):
+        x.grad = None
+        measure(lambda: WritesIntoGrad.apply(x), warmup=2, repeats=3, backward=True, grad=g,
+                device="cpu")
+        assert torch.equal(g, torch.full((3,), 2.0))
+        assert torch.equal(x.grad, torch.full((3,), 10.0 * 5))  # 5 calls, each 2 * 5
+
+
 def test_backward_with_no_warmup_uses_one_untimed_call():
     calls = []
     x = torch.randn(3, requires_grad=True)

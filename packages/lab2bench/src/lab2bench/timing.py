@@ -203,7 +203,8 @@ def measure(
             y = _first_tensor(out)
             if grad_template is None:
                 grad_template = torch.ones_like(y)
-            y.backward(grad_template)
+            # A copy: some backward kernels (Liger's) write into grad_output in place.
+            y.backward(grad_template.clone())
         return out
 
     # Events record on the current stream of the current device: make it ``dev``'s.
