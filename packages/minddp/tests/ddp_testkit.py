@@ -192,8 +192,14 @@ def few_buckets_mb(model: nn.Module) -> float:
     return total / 3 / 2**20
 
 
-def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
-    """The callable to run forward with and the function to call after backward."""
+def wrap(
+    variant: str, model: nn.Module, bucket_size_mb: float | None = None
+) -> tuple[nn.Module, Callable[[], None]]:
+    """The callable to run forward with and the function to call after backward.
+
+    ``bucket_size_mb`` is the cap of variant ``"bucketed"``; the other bucketed
+    variants pick theirs from the model.
+    """
     if variant in ("naive", "flat"):
         check_model_consistency(model)
         broadcast_module(model)
@@ -202,7 +208,12 @@ def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]
     if variant == "individual":
         ddp = DDPIndividualParameters(model)
     else:
-        cap = {"bucketed_tiny": 1e-9, "bucketed_few": few_buckets_mb(model), "bucketed_one": None}
+        cap = {
+            "bucketed": bucket_size_mb,
+            "bucketed_tiny": 1e-9,
+            "bucketed_few": few_buckets_mb(model),
+            "bucketed_one": None,
+        }
         ddp = DDPBucketed(model, cap[variant])
     return ddp, ddp.finish_gradient_synchronization
 
@@ -218,12 +229,12 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
 
 def train_distributed(
     kind: str, variant: str, rank: int, world_size: int, split: list[int], steps: int,
-    seed: int, model_kwargs: dict | None = None,
+    seed: int, model_kwargs: dict | None = None, bucket_size_mb: float | None = None,
 ) -> dict[str, Any]:
     """Train on this rank's slice of each global batch; rank r starts from its own init."""
     model_kwargs = model_kwargs or {}
     model = build_model(kind, seed + 1000 * rank, **model_kwargs)  # broadcast must fix it
-    runner, sync = wrap(variant, model)
+    runner, sync = wrap(variant, model, bucket_size_mb)
     optimizer = make_optimizer(model)
     batches = make_batches(kind, seed, steps, sum(split), **model_kwargs)
     start, end = split_bounds(split)[rank]

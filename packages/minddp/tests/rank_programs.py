@@ -1,0 +1,223 @@
+"""The functions minddp's Gloo tests run on every rank.
+
+They live apart from the test files so that each spawned rank imports only
+torch, minddp and the test kit: importing pytest and hypothesis again in every
+rank costs seconds per ``run_ranks`` call on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from minddp import (
+    DDPBucketed,
+    DDPIndividualParameters,
+    ModelMismatchError,
+    broadcast_module,
+    check_model_consistency,
+)
+
+
+def _sibling(filename: str, name: str):
+    # Loaded by path: pytest's importlib mode keeps this folder off sys.path.
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+kit = _sibling("ddp_testkit.py", "_minddp_ddp_testkit")
+
+# ---- parity: every variant x model ----
+PARITY_STEPS = 3
+PARITY_BATCH = 12  # divisible by every world size 1..4
+PARITY_SEED = 1234
+PARITY_KINDS = ("mlp", "tied", "transformer")
+
+
+def parity_rank(rank: int, world_size: int, split: list[int]) -> dict:
+    torch.set_num_threads(1)
+    return {
+        (kind, variant): kit.train_distributed(
+            kind, variant, rank, world_size, split, PARITY_STEPS, PARITY_SEED
+        )
+        for kind in PARITY_KINDS
+        for variant in kit.VARIANTS
+    }
+
+
+
+# ---- rank-dependent branches and no_sync ----
+BRANCH_STEPS = 3
+BRANCH_BATCH = 12
+BRANCH_SEED = 99
+OVERLAPPING = ("individual", "bucketed_tiny", "bucketed_few", "bucketed_one")
+
+
+def skips_backward(rank: int, world_size: int, step: int) -> bool:
+    """The last rank sits out step 1 entirely (no forward, no backward)."""
+    return world_size > 1 and rank == world_size - 1 and step == 1
+
+
+def halves(start: int, end: int) -> list[tuple[int, int]]:
+    middle = start + (end - start) // 2
+    return [(start, middle), (middle, end)]
+
+
+def branches_rank(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    batches = kit.make_batches("branchy", BRANCH_SEED, BRANCH_STEPS, BRANCH_BATCH)
+    per = BRANCH_BATCH // world_size
+    start, end = rank * per, (rank + 1) * per
+    even = rank % 2 == 0
+    scale = world_size / BRANCH_BATCH
+    out: dict = {}
+    for variant in kit.VARIANTS:  # branches, and a rank that skips backward
+        model = kit.build_model("branchy", BRANCH_SEED + 1000 * rank)
+        runner, sync = kit.wrap(variant, model)
+        optimizer = kit.make_optimizer(model)
+        for step, (x, y) in enumerate(batches):
+            optimizer.zero_grad()
+            if not skips_backward(rank, world_size, step):
+                out_ = runner(x[start:end], even)
+                (kit.summed_loss("branchy", out_, y[start:end]) * scale).backward()
+            sync()
+            optimizer.step()
+        out[("branches", variant)] = kit.snapshot(model)
+    for variant in OVERLAPPING:  # no_sync: first half-slice local, second synced
+        model = kit.build_model("branchy", BRANCH_SEED + 1000 * rank)
+        ddp, _ = kit.wrap(variant, model)
+        optimizer = kit.make_optimizer(model)
+        for x, y in batches:
+            optimizer.zero_grad()
+            (a, b), (c, d) = halves(start, end)
+            with ddp.no_sync():
+                (kit.summed_loss("branchy", ddp(x[a:b], even), y[a:b]) * scale).backward()
+                ddp.finish_gradient_synchronization()  # a no-op inside no_sync
+                assert not ddp._handles, "no_sync launched a collective"
+            (kit.summed_loss("branchy", ddp(x[c:d], not even), y[c:d]) * scale).backward()
+            ddp.finish_gradient_synchronization()
+            optimizer.step()
+        out[("no_sync", variant)] = kit.snapshot(model)
+    return out
+
+
+
+# ---- construction checks, views, misuse ----
+GUARD_SEED = 7
+
+# How the last rank's model differs, and what the error must name.
+MUTATIONS = {
+    "shape": ("layers.0.weight", "shape="),
+    "dtype": ("frozen_scale", "dtype="),  # own parameters come before submodules
+    "frozen": ("layers.1.weight", "requires_grad="),
+    "extra": ("layers.1.extra", "vs param 'layers.1.extra'"),
+}
+
+
+def _mutated_mlp(mutation: str, rank: int, world_size: int) -> torch.nn.Module:
+    last = rank == world_size - 1
+    widths = (6, 9, 3) if last and mutation == "shape" else (6, 8, 3)
+    model = kit.build_model("mlp", GUARD_SEED, widths=widths)
+    if last and mutation == "dtype":
+        model.float()
+    if last and mutation == "frozen":
+        model.layers[1].requires_grad_(False)
+    if last and mutation == "extra":
+        model.layers[1].extra = torch.nn.Parameter(torch.zeros(2, dtype=kit.DTYPE))
+    return model
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _bucketed_step(ddp: DDPBucketed, x: torch.Tensor, y: torch.Tensor) -> None:
+    kit.summed_loss("mlp", ddp(x), y).backward()
+    ddp.finish_gradient_synchronization()
+
+
+def guards_rank(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {"mismatch": {}, "errors": {}}
+    # 1. A model that differs on one rank: every rank raises, none hangs.
+    if world_size > 1:
+        for mutation in MUTATIONS:
+            for wrapper in (DDPBucketed, DDPIndividualParameters, None):
+                model = _mutated_mlp(mutation, rank, world_size)
+                try:
+                    if wrapper is None:
+                        check_model_consistency(model)
+                    else:
+                        wrapper(model)
+                    out["mismatch"][(mutation, str(wrapper))] = None
+                except ModelMismatchError as error:
+                    out["mismatch"][(mutation, str(wrapper))] = str(error)
+    # 2. broadcast_module from the last rank: parameters and buffers.
+    model = kit.build_model("mlp", GUARD_SEED + rank)
+    broadcast_module(model, src=world_size - 1)
+    out["broadcast"] = kit.snapshot(model)
+    # 3. Gradients are views into bucket buffers, also after zero_grad(set_to_none=True).
+    x, y = kit.make_batches("mlp", GUARD_SEED, 1, 4)[0]
+    model = kit.build_model("mlp", GUARD_SEED)
+    ddp = DDPBucketed(model, kit.few_buckets_mb(model))
+    out["bucket_names"] = ddp.bucket_parameter_names
+    views_ok = []
+    for _ in range(3):
+        _bucketed_step(ddp, x, y)
+        storages = {_storage(b.buffer) for b in ddp._buckets}
+        views_ok.append(
+            all(_storage(p.grad) in storages for n, p in model.named_parameters()
+                if p.requires_grad and n != "unused")
+            and model.unused.grad is None
+        )
+        model.zero_grad(set_to_none=True)
+    out["views_ok"] = views_ok
+    out["stats"] = ddp.last_sync_stats
+    out["bucket_counts"] = {
+        variant: len(kit.wrap(variant, kit.build_model("mlp", GUARD_SEED))[0]._buckets)
+        for variant in ("bucketed_tiny", "bucketed_few", "bucketed_one")
+    }
+    # 4. Misuse: forward before finishing, and a second backward after launching.
+    # (tiny buckets, so that some bucket surely went out during the first backward)
+    for wrapper in (lambda m: DDPBucketed(m, 1e-9), DDPIndividualParameters):
+        ddp = wrapper(kit.build_model("mlp", GUARD_SEED))
+        loss = kit.summed_loss("mlp", ddp(x), y)
+        loss.backward(retain_graph=True)
+        ddp.finish_gradient_synchronization()  # first step: launch order learned
+        loss.backward(retain_graph=True)
+        messages = []
+        try:
+            ddp(x)
+        except RuntimeError as error:
+            messages.append(str(error))
+        try:
+            loss.backward()
+        except RuntimeError as error:
+            messages.append(str(error))
+        ddp.finish_gradient_synchronization()  # wait for what did go out
+        out["errors"][type(ddp).__name__] = messages
+    return out
+
+
+
+# ---- property: drawn configurations ----
+PROPERTY_STEPS = 2
+PROPERTY_VARIANTS = ("naive", "flat", "individual", "bucketed")
+
+
+def property_rank(rank: int, world_size: int, config: dict) -> dict:
+    torch.set_num_threads(1)
+    return {
+        variant: kit.train_distributed(
+            "mlp", variant, rank, world_size, config["split"], PROPERTY_STEPS, config["seed"],
+            config["model_kwargs"], config["bucket_size_mb"],
+        )
+        for variant in PROPERTY_VARIANTS
+    }
