@@ -55,7 +55,6 @@ def copy_bandwidth():
     a = torch.randn(1 << 29, device="cuda")  # 2 GiB
     b = torch.empty_like(a)
     ms = bench(lambda: b.copy_(a))
-    del a, b
     return 2 * (1 << 29) * 4 / ms / 1e6  # GB/s
 
 
@@ -182,7 +181,8 @@ def tune(bw):
             if per_sm * nw > 64:
                 continue
             cfg = {"block_r": br, "num_warps": nw, "programs_per_sm": per_sm}
-            ms = bench(lambda cfg=cfg: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), rep=40)
+            ms = bench(lambda cfg=cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg),
+                       rep=40)
             res.append((nbytes_f / ms / 1e6 / bw * 100, cfg))
         res.sort(key=lambda r: -r[0])
         log(f"TUNE fwd {name} {H}: " + "; ".join(f"{p:.1f}% {c}" for p, c in res[:4]))
@@ -192,11 +192,11 @@ def tune(bw):
             if br * H * es > 32768 or ept < 4 or ept > 64 or nw * per_sm > 64:
                 continue
             cfg = {"block_r": br, "num_warps": nw, "programs_per_sm": per_sm}
-            ms = bench(lambda cfg=cfg: kernels.rms_norm_bwd(dy, x, w, rstd, config=cfg), rep=40)
+            ms = bench(lambda cfg=cfg, x=x, w=w, dy=dy, r=rstd:
+                       kernels.rms_norm_bwd(dy, x, w, r, config=cfg), rep=40)
             res.append((nbytes_b / ms / 1e6 / bw * 100, cfg))
         res.sort(key=lambda r: -r[0])
         log(f"TUNE bwd {name} {H}: " + "; ".join(f"{p:.1f}% {c}" for p, c in res[:4]))
-        del x, w, dy, rstd
 
 
 def tune_large(bw):
@@ -215,7 +215,8 @@ def tune_large(bw):
             cfgs += [{"looped": False, "block_r": 1, "num_warps": nw, "programs_per_sm": p}
                      for nw, p in itertools.product((16, 32), (0, 1, 2))]
         for cfg in cfgs:
-            ms = bench(lambda cfg=cfg: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), rep=40)
+            ms = bench(lambda cfg=cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg),
+                       rep=40)
             res.append((nbytes_f / ms / 1e6 / bw * 100, cfg))
         res.sort(key=lambda r: -r[0])
         log(f"TUNE fwd bf16 {H}: " + "; ".join(f"{p:.1f}% {c}" for p, c in res[:4]))
@@ -226,11 +227,11 @@ def tune_large(bw):
             cfgs += [{"looped": False, "block_r": 1, "num_warps": nw, "programs_per_sm": p}
                      for nw, p in itertools.product((16, 32), (1, 2))]
         for cfg in cfgs:
-            ms = bench(lambda cfg=cfg: kernels.rms_norm_bwd(dy, x, w, rstd, config=cfg), rep=40)
+            ms = bench(lambda cfg=cfg, x=x, w=w, dy=dy, r=rstd:
+                       kernels.rms_norm_bwd(dy, x, w, r, config=cfg), rep=40)
             res.append((nbytes_b / ms / 1e6 / bw * 100, cfg))
         res.sort(key=lambda r: -r[0])
         log(f"TUNE bwd bf16 {H}: " + "; ".join(f"{p:.1f}% {c}" for p, c in res[:4]))
-        del x, w, dy, rstd
 
 
 def table(bw, baselines, large):
@@ -262,11 +263,11 @@ def table(bw, baselines, large):
             except Exception as e:  # noqa: BLE001 - report and continue the sweep
                 log(f"{iname} {name} {H} failed: {type(e).__name__}: {e}")
                 continue
-            line = (f"| {name} | {rows} | {H} | {iname} | {f:.3f} | {2 * n / f / 1e6 / bw * 100:.0f} "
-                    f"| {fb:.3f} | {5 * n / fb / 1e6 / bw * 100:.0f} |")
+            pf, pfb = 2 * n / f / 1e6 / bw * 100, 5 * n / fb / 1e6 / bw * 100
+            line = (f"| {name} | {rows} | {H} | {iname} | {f:.3f} | {pf:.0f} "
+                    f"| {fb:.3f} | {pfb:.0f} |")
             lines.append(line)
             log(line)
-        del x, w, dy
         with open(os.path.join(OUT, "table.md"), "w") as fh:
             fh.write(f"copy bandwidth {bw:.0f} GB/s\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(OUT, "table.md"), "w") as fh:

@@ -1,0 +1,31 @@
+"""tritonnorm test setup: where the Triton kernels can run, and shared numerics helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# pytest runs with --import-mode=importlib, which puts no test folder on sys.path; the
+# test modules import their helpers (tn_numerics) from here.
+sys.path.insert(0, os.path.dirname(__file__))
+
+# The interpreter only takes effect when TRITON_INTERPRET=1 is set before Triton is first
+# imported; the nox session `triton-interpret` sets it in the environment.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CAN_RUN_TRITON = torch.cuda.is_available() or INTERPRET
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs CUDA or TRITON_INTERPRET=1 (set before importing triton)")
+    for item in items:
+        if "triton" in item.keywords and not CAN_RUN_TRITON:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device() -> torch.device:
+    """Where the Triton kernels run: the GPU when there is one, else the interpreter's CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

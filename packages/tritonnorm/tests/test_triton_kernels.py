@@ -1,0 +1,170 @@
+"""The Triton kernels (RMSNormFunction and the custom ops) against float64 autograd.
+
+Marked ``triton``: they run on CUDA, or on the CPU under TRITON_INTERPRET=1 (the nox
+session ``triton-interpret``), where the interpreter is slow: small shapes only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tn_numerics import TOL, dx_scale, random_inputs, reference_grads, rel_err
+
+import tritonnorm
+from tritonnorm import RMSNormFunction, RMSNormTorchFunction, rms_norm_reference
+
+pytestmark = pytest.mark.triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _kernels():
+    from tritonnorm.ops import kernels
+
+    return kernels
+
+
+def _run(x, w, dy, eps=1e-5, fn=None):
+    xa = x.clone().requires_grad_()
+    wa = w.clone().requires_grad_()
+    y = (fn or RMSNormFunction.apply)(xa, wa, eps)
+    y.backward(dy)
+    return y, xa.grad, wa.grad
+
+
+def _check(x, w, dy, eps=1e-5, fn=None):
+    dy_before = dy.clone()
+    y, dx, dw = _run(x, w, dy, eps, fn)
+    assert torch.equal(dy, dy_before), "backward wrote into grad_output"
+    y_ref, dx_ref, dw_ref = reference_grads(x, w, dy, eps)
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert y.shape == x.shape and dx.shape == x.shape and dw.shape == w.shape
+    assert rel_err(y, y_ref) < TOL[x.dtype]
+    assert rel_err(dx, dx_ref, dx_scale(x, w, dy, eps)) < TOL[x.dtype]
+    assert rel_err(dw, dw_ref) < TOL[w.dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("w32", [False, True], ids=["w_same", "w_fp32"])
+@pytest.mark.parametrize("shape", [(37, 300), (2, 3, 64), (5, 1), (64, 17)], ids=str)
+def test_function_matches_float64(kernel_device, dtype, w32, shape):
+    x, w, dy = random_inputs(shape, dtype, torch.float32 if w32 else dtype, seed=hash(shape) % 997,
+                             device=kernel_device, offset=0.2)
+    _check(x, w, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_looped_path(kernel_device, monkeypatch, dtype):
+    # Force the looped kernels (rows longer than one block) on small rows.
+    k = _kernels()
+    monkeypatch.setattr(k, "MAX_FUSED_BLOCK_FWD", 16)
+    monkeypatch.setattr(k, "MAX_FUSED_BLOCK_BWD", 16)
+    monkeypatch.setattr(k, "LOOP_CHUNK", 32)
+    x, w, dy = random_inputs((9, 100), dtype, torch.float32, seed=3, device=kernel_device)
+    _check(x, w, dy)
+
+
+def test_non_contiguous_inputs(kernel_device):
+    x, w, dy = random_inputs((6, 4, 80), torch.float32, torch.float32, seed=5, device=kernel_device)
+    xs = x[:, :, ::2]  # column stride 2
+    xt = x.transpose(0, 1)[..., :40]  # leading dims not collapsible
+    dys = dy.transpose(0, 1)[..., :40].contiguous().transpose(0, 1).transpose(0, 1)
+    dys = dys.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous grad_output
+    _check(xs, w[:40], dy[:, :, :40])
+    _check(xt, w[:40], dys)
+
+
+def test_zero_rows(kernel_device):
+    x = torch.randn(0, 4, 32, device=kernel_device, requires_grad=True)
+    w = torch.randn(32, device=kernel_device, requires_grad=True)
+    y = RMSNormFunction.apply(x, w, 1e-5)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_weight_grad_is_bitwise_deterministic(kernel_device):
+    x, w, dy = random_inputs((50, 300), torch.bfloat16, torch.float32, seed=7, device=kernel_device)
+    first = _run(x, w, dy)[2]
+    second = _run(x, w, dy)[2]
+    assert torch.equal(first, second)
+
+
+def test_backward_skips_unneeded_gradients(kernel_device, monkeypatch):
+    k = _kernels()
+    calls = []
+    real = k.rms_norm_bwd
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["needs_dx"], kwargs["needs_dw"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(k, "rms_norm_bwd", spy)
+    x, w, dy = random_inputs((8, 48), torch.float32, torch.float32, seed=9, device=kernel_device)
+    xa = x.clone().requires_grad_()
+    RMSNormFunction.apply(xa, w, 1e-5).backward(dy)
+    wa = w.clone().requires_grad_()
+    RMSNormFunction.apply(x, wa, 1e-5).backward(dy)
+    assert calls == [(True, False), (False, True)]
+    assert xa.grad is not None and wa.grad is not None and w.grad is None and x.grad is None
+    dx, dw = real(dy, x, w, k.rms_norm_fwd(x, w, 1e-5)[1], needs_dx=True, needs_dw=False)
+    assert dw is None and dx is not None
+
+
+def test_validation(kernel_device):
+    x = torch.randn(4, 8, device=kernel_device)
+    with pytest.raises(ValueError, match=r"\(9,\)"):
+        RMSNormFunction.apply(x, torch.ones(9, device=kernel_device), 1e-5)
+    with pytest.raises(TypeError):
+        RMSNormFunction.apply(x.to(torch.int32), torch.ones(8, device=kernel_device), 1e-5)
+    with pytest.raises(TypeError, match="float64"):
+        RMSNormFunction.apply(x.double(), torch.ones(8, device=kernel_device), 1e-5)
+
+
+@settings(max_examples=6)
+@given(
+    rows=st.integers(1, 40),
+    h=st.integers(1, 260),
+    dtype=st.sampled_from(DTYPES),
+    eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
+    scale=st.sampled_from([1e-2, 1.0, 20.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_all_implementations_agree(rows, h, dtype, eps, scale, seed):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, dy = random_inputs((rows, h), dtype, torch.float32, seed=seed, device=device,
+                             scale=scale, offset=0.1)
+    tri = _run(x, w, dy, eps)
+    ref = _run(x, w, dy, eps, fn=RMSNormTorchFunction.apply)
+    scale_dx = dx_scale(x, w, dy, eps)
+    # Each implementation is within tolerance of the other (both within it of float64).
+    assert rel_err(tri[0], ref[0]) < 2 * TOL[dtype]
+    assert rel_err(tri[1], ref[1], scale_dx) < 2 * TOL[dtype]
+    assert rel_err(tri[2], ref[2]) < 2 * TOL[torch.float32]
+    assert rel_err(tri[0], rms_norm_reference(x.double(), w.double(), eps)) < TOL[dtype]
+
+
+def test_custom_ops_and_compile(kernel_device):
+    from tritonnorm.ops import custom_ops
+
+    if not custom_ops.AVAILABLE:
+        pytest.skip("torch.library.custom_op needs PyTorch 2.4")
+    x, w, dy = random_inputs((6, 40), torch.float32, torch.float32, seed=11, device=kernel_device)
+    _check(x, w, dy, fn=custom_ops.rms_norm_triton)
+    torch.library.opcheck(custom_ops.rms_norm_fwd_op, (x, w, 1e-5))
+    rstd = custom_ops.rms_norm_fwd_op(x, w, 1e-5)[1]
+    torch.library.opcheck(custom_ops.rms_norm_bwd_op, (dy, x, w, rstd, True, False))
+    # fullgraph tracing through the fake implementations and the registered autograd.
+    fn = torch.compile(lambda a, b: custom_ops.rms_norm_triton(a, b, 1e-5), fullgraph=True,
+                       backend="aot_eager")
+    _check(x, w, dy, fn=lambda a, b, eps: fn(a, b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the module uses the kernels on CUDA")
+def test_module_compile_fullgraph_cuda():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), tritonnorm.RMSNorm(64)).cuda()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 16, 64, device="cuda")
+    assert rel_err(compiled(x), model(x)) < 1e-5
