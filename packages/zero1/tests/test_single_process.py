@@ -96,14 +96,18 @@ def test_duplicate_parameters_are_rejected() -> None:
     assert len(opt.param_groups) == 1 and len(opt.local_optimizer.param_groups) == 1
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Optimizer, torch.nn.Linear, "AdamW", ShardedOptimizer])
-def test_bad_optimizer_cls(cls) -> None:
-    if cls is torch.optim.Optimizer:
-        # The abstract base is a subclass of itself but has no defaults to give.
-        with pytest.raises(TypeError):
-            ShardedOptimizer([_p(2)], cls)
-        return
-    with pytest.raises(TypeError, match="optimizer_cls"):
+@pytest.mark.parametrize(
+    ("cls", "match"),
+    [
+        (torch.optim.Optimizer, "defaults"),  # the abstract base: a subclass of itself
+        (torch.nn.Linear, "optimizer_cls"),
+        ("AdamW", "optimizer_cls"),
+        (ShardedOptimizer, "optimizer_cls"),
+        (torch.optim.LBFGS, "LBFGS"),
+    ],
+)
+def test_bad_optimizer_cls(cls, match) -> None:
+    with pytest.raises(TypeError, match=match):
         ShardedOptimizer([_p(2)], cls)
 
 

@@ -73,6 +73,10 @@ class ShardedOptimizer(Optimizer):
             )
         if issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError("ShardedOptimizer: optimizer_cls cannot be ShardedOptimizer itself")
+        if issubclass(optimizer_cls, torch.optim.LBFGS):
+            # Its state lives on the first parameter and covers all of them.
+            raise TypeError("ShardedOptimizer: LBFGS keeps one state for all parameters, so it "
+                            "cannot be sharded by parameter")
         groups = normalize_param_groups(params)
         check_distinct_and_colocated([p for g in groups for p in g["params"]])
         self._info = resolve_group(process_group)
