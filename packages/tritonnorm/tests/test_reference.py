@@ -148,5 +148,9 @@ def test_bad_eps_and_grad_shape():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, torch.ones(8), -1.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        rms_norm(torch.randn(4, 0), torch.ones(0))
+    with pytest.raises(ValueError, match="scalar"):
+        rms_norm(torch.tensor(1.0), torch.ones(1))
     with pytest.raises(ValueError, match="grad_output"):
         rms_norm_backward_x(torch.ones(4, 7), x, torch.ones(8))

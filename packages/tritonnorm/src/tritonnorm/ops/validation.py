@@ -20,8 +20,8 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool =
     Raises:
         TypeError: an argument is not a tensor, or has an integer, boolean or complex
             dtype (or float64 where the kernels run).
-        ValueError: ``x`` has no dimensions, ``weight`` is not of shape (H,), or the
-            two live on different devices.
+        ValueError: ``x`` has no dimensions or an empty last one, ``weight`` is not of
+            shape (H,), or the two live on different devices.
     """
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -36,6 +36,9 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool =
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalised one), got a scalar")
     hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"the normalised (last) dimension of x must be >= 1, x has shape "
+                         f"{tuple(x.shape)}")
     if tuple(weight.shape) != (hidden,):
         raise ValueError(
             f"weight has shape {tuple(weight.shape)} but x of shape {tuple(x.shape)} "
