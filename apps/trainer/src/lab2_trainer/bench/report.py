@@ -71,6 +71,13 @@ class SuiteOutput:
         if not usable:
             return None
         path = self.out_dir / f"{self.suite}-{name}.png"
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            # A machine without matplotlib still gets its tables and records.
+            print(f"[bench {self.suite}] matplotlib is not installed: {path.name} not drawn",
+                  flush=True)
+            return None
         plot_sweep(usable, x=x, y=y, series=series, path=path, logx=logx,
                    title=f"{self.suite}: {y} vs {x}")
         return path
