@@ -32,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lab2-train",
         description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1. "
         "`lab2-train bench --help` lists the benchmark suites.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=list(PRESETS), help="size preset (default tiny)")
@@ -50,12 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: this Python's standard-library sources)")
     d.add_argument("--vocab-size", type=int, help="vocabulary of a token-array --data")
     t = p.add_argument_group("optimisation")
-    t.add_argument("--steps", type=int, help="optimizer steps (default 300)")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
     t.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
     t.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
     t.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     t.add_argument("--min-lr", type=float, help="final learning rate (default 3e-4)")
-    t.add_argument("--warmup", type=int, help="warm-up steps (default 30)")
+    t.add_argument("--warmup", type=int, help="warm-up steps (default 20)")
     t.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
     t.add_argument("--clip", type=float, help="gradient-norm clip, 0 = off (default 1.0)")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="(default fp32)")
@@ -76,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from a checkpoint (file or run folder; alone: --out's, or "
                    "the newest under runs/)")
     o.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (default: at the end)")
-    o.add_argument("--eval-every", type=int, help="validate every N steps (default 100)")
+    o.add_argument("--eval-every", type=int, help="validate every N steps (default 50)")
     o.add_argument("--eval-batches", type=int, help="batches per validation (default 8)")
     o.add_argument("--log-every", type=int, help="log line every N steps off a terminal")
     o.add_argument("--sample-tokens", type=int, help="length of the final sample (default 300)")

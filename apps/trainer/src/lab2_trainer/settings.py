@@ -56,12 +56,12 @@ class TrainSettings:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: str | None = None
     vocab_size: int | None = None
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 32
     grad_accum: int = 1
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup: int = 30
+    warmup: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -73,7 +73,7 @@ class TrainSettings:
     sharding: str = "zero1"
     out: str = "runs/latest"
     ckpt_every: int = 0
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 25
     seed: int = 0

@@ -184,8 +184,12 @@ class Trainer:
         self.step += 1
         return all_mean(loss_sum / s.grad_accum), float(grad_norm)
 
-    def run(self) -> dict[str, Any]:
+    def run(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
+
+        Args:
+            stop_at: stop early after this step, with a checkpoint, as if interrupted there
+                (the schedule still spans ``settings.steps``).
 
         Returns:
             The summary (on every rank; file paths and figures are rank 0's).
@@ -206,14 +210,15 @@ class Trainer:
         timer = StepTimer()
         t0 = time.perf_counter()
         val_loss = None
+        end = s.steps if stop_at is None else min(stop_at, s.steps)
         try:
-            while self.step < s.steps:
+            while self.step < end:
                 loss, grad_norm = self.train_step()
                 dt = timer.lap()
                 record = {"step": self.step, "loss": loss, "lr": self.schedule(self.step - 1),
                           "grad_norm": grad_norm, "tokens": self.step * tokens_per_step,
                           "step_seconds": dt, "tokens_per_s": tokens_per_step / dt}
-                done = self.step == s.steps
+                done = self.step == end
                 if done or (s.eval_every and self.step % s.eval_every == 0):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
