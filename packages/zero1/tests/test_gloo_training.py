@@ -309,6 +309,9 @@ def checkpoint_save_rank(rank: int, world_size: int, path: str) -> dict:
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s) for o in (opt, plain)]
     _train_steps(model, opt, ref, plain, 5, 0, rank, world_size, scheds)
     out["unconsolidated_error"] = _error_of(opt.state_dict)
+    # Looking up any parameter's state (a defaultdict) must not leak into the checkpoint.
+    assert sum(len(opt.state[p]) > 0 for p in model.parameters()) == len(
+        [p for p in model.parameters() if opt.owner_of(p) == rank])
     opt.consolidate_state_dict(to=to)
     out["other_rank_error"] = _error_of(opt.state_dict)
     if rank == to:

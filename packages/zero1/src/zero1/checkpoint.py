@@ -28,13 +28,19 @@ def to_cpu(value: Any) -> Any:
 
 
 def shard_state_by_global_index(
-    local_state_dict: Mapping[str, Any], local_to_global: Sequence[int]
+    state: Mapping[torch.Tensor, Any], owned: Sequence[tuple[int, torch.Tensor]]
 ) -> dict[int, Any]:
-    """The ``state`` of a local optimizer's state dict, keyed by global parameter number."""
-    return {
-        local_to_global[local_index]: to_cpu(entry)
-        for local_index, entry in local_state_dict["state"].items()
-    }
+    """A shard's state on the CPU, keyed by global parameter number.
+
+    Reads ``state`` for the owned parameters only: ``optimizer.state`` is a
+    defaultdict, and code that merely looked up another rank's parameter left an
+    empty entry for it here, which must not reach the checkpoint.
+
+    Args:
+        state: the local optimizer's ``state`` (keyed by parameter).
+        owned: ``(global number, parameter)`` for each parameter this rank owns.
+    """
+    return {index: to_cpu(state[p]) for index, p in owned if state.get(p)}
 
 
 def merge_shards(shards: Sequence[Mapping[int, Any]]) -> dict[int, Any]:

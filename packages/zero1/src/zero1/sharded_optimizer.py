@@ -239,12 +239,13 @@ class ShardedOptimizer(Optimizer):
                 f"ShardedOptimizer.consolidate_state_dict: to must be a rank in "
                 f"[0, {info.world_size}), got {to!r}"
             )
-        local_to_global = [
-            index
-            for index, owner in enumerate(o for owners in self._owners for o in owners)
-            if owner == info.rank
-        ]
-        shard = shard_state_by_global_index(self._local.state_dict(), local_to_global)
+        numbered = enumerate(
+            (p, owner)
+            for group, owners in zip(self.param_groups, self._owners)
+            for p, owner in zip(group["params"], owners)
+        )
+        owned = [(index, p) for index, (p, owner) in numbered if owner == info.rank]
+        shard = shard_state_by_global_index(self._local.state, owned)
         if info.world_size == 1:
             shards: list[Any] = [shard]
         else:
