@@ -76,8 +76,9 @@ class DDPBucketed(DataParallelWrapper):
         *,
         process_group: dist.ProcessGroup | None = None,
     ):
-        self.bucket_size_mb = validate_bucket_size_mb(bucket_size_mb)
+        bucket_size_mb = validate_bucket_size_mb(bucket_size_mb)  # before any collective
         super().__init__(module, process_group)
+        self.bucket_size_mb = bucket_size_mb
         named = trainable_parameters(module)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
