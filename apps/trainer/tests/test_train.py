@@ -31,7 +31,7 @@ def tiny_settings(data: Path, out: Path, **overrides) -> TrainSettings:
     model = ModelConfig(context_length=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
     fields = dict(model=model, data=str(data), steps=6, batch_size=12, lr=1e-2, min_lr=1e-3,
                   warmup=2, eval_every=0, eval_batches=2, out=str(out), sample_tokens=0,
-                  quiet=True, ddp="none", sharding="none", seed=0)
+                  quiet=True, plot=False, ddp="none", sharding="none", seed=0)
     fields.update(overrides)
     return TrainSettings(**fields).validate(1)
 
@@ -42,7 +42,7 @@ def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def test_short_run_loss_falls_and_writes_every_output(corpus_dir, tmp_path):
     s = tiny_settings(corpus_dir, tmp_path / "run", steps=40, eval_every=20, sample_tokens=30,
-                      quiet=False)
+                      quiet=False, plot=True)
     summary = Trainer(s, DistContext()).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, 41))

@@ -43,7 +43,7 @@ def tiny_settings(data, out, **overrides) -> TrainSettings:
     # 24 sequences split evenly over 1-4 ranks x 1-2 micro-batches.
     fields = dict(model=model, data=str(data), steps=6, batch_size=24, lr=1e-2, min_lr=1e-3,
                   warmup=2, eval_every=0, eval_batches=1, out=str(out), sample_tokens=0,
-                  quiet=True, ddp="none", sharding="none", seed=0, bucket_mb=0.002)
+                  quiet=True, plot=False, ddp="none", sharding="none", seed=0, bucket_mb=0.002)
     fields.update(overrides)
     return TrainSettings(**fields)
 

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--log-every", type=int, help="log line every N steps off a terminal")
     o.add_argument("--sample-tokens", type=int, help="length of the final sample (default 300)")
     o.add_argument("--quiet", action="store_true", default=None, help="no console progress")
+    o.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
+                   help="draw loss_curve.png at the end (default on)")
     return p
 
 

@@ -51,6 +51,7 @@ class TrainSettings:
         resume: checkpoint to continue from.
         sample_tokens: length of the text sample generated at the end (0: none).
         quiet: no progress bar nor per-step console output (files are still written).
+        plot: draw the loss-curve PNG at the end.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -81,6 +82,7 @@ class TrainSettings:
     resume: str | None = None
     sample_tokens: int = 300
     quiet: bool = False
+    plot: bool = True
 
     def validate(self, world_size: int) -> TrainSettings:
         """Check the settings for ``world_size`` ranks; ``ValueError`` with one line."""

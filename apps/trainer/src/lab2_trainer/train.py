@@ -254,7 +254,7 @@ class Trainer:
         }
         if reporter is not None:
             outputs = {"metrics": str(out / "metrics.jsonl"), "checkpoint": str(ckpt_path)}
-            plot = reporter.plot(entropy)
+            plot = reporter.plot(entropy) if s.plot else None
             if plot is not None:
                 outputs["loss curve"] = str(plot)
             if s.sample_tokens:
