@@ -252,7 +252,6 @@ class ShardedOptimizer(Optimizer):
             shards = [None] * info.world_size if info.rank == to else None  # type: ignore[assignment]
             dist.gather_object(shard, shards, dst=info.global_ranks[to], group=info.group)
         self._consolidated_state = merge_shards(shards) if info.rank == to else None
-        self._consolidated_on = to
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``optimizer_cls``'s format (only after consolidation).
