@@ -221,3 +221,23 @@ def property_rank(rank: int, world_size: int, config: dict) -> dict:
         )
         for variant in PROPERTY_VARIANTS
     }
+
+
+# ---- a peer that leaves ----
+def dead_peer_rank(rank: int, world_size: int) -> dict:
+    """The last rank leaves after construction; the others must get an error, not hang."""
+    import time
+
+    torch.set_num_threads(1)
+    model = kit.build_model("mlp", GUARD_SEED)
+    ddp = DDPBucketed(model, 1e-9)
+    if rank == world_size - 1:
+        return {"left": True}
+    x, y = kit.make_batches("mlp", GUARD_SEED, 1, 4)[0]
+    kit.summed_loss("mlp", ddp(x), y).backward()
+    start = time.perf_counter()
+    try:
+        ddp.finish_gradient_synchronization()
+    except RuntimeError as error:  # Gloo: peer closed, or the group's timeout
+        return {"error": str(error)[:200], "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}

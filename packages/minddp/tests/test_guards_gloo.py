@@ -62,3 +62,13 @@ def test_construction_checks_views_and_misuse_errors(world_size):
 def test_bucket_size_must_be_positive(bad):
     with pytest.raises(ValueError, match="bucket_size_mb"):
         DDPBucketed(torch.nn.Linear(2, 2), bad)
+
+
+def test_a_peer_that_leaves_raises_instead_of_hanging(world_size):
+    if world_size == 1:
+        pytest.skip("needs a peer")
+    results = run_ranks(programs.dead_peer_rank, world_size, timeout=60, pg_timeout=10)
+    assert results[-1] == {"left": True}
+    for rank, got in enumerate(results[:-1]):
+        assert got["error"] is not None, f"rank {rank} finished without its peer"
+        assert got["seconds"] < 30
