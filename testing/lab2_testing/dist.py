@@ -87,9 +87,13 @@ def _child(rank: int, world_size: int, init_file: str, pg_timeout: float, path: 
 
 def _context() -> Any:
     """A forkserver that has imported torch once: each rank starts in milliseconds
-    instead of importing torch again (seconds on a small CI machine)."""
+    instead of importing torch again (seconds on a small CI machine).
+
+    ``torch._dynamo`` is preloaded too: recent torch imports it the first time an
+    optimizer is built, which costs 20-40 s per rank on a loaded 2-core machine.
+    """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lab2_testing.dist"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "lab2_testing.dist"])
     return ctx
 
 
