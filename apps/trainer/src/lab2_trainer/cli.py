@@ -228,8 +228,25 @@ def main(argv: list[str] | None = None) -> int:
             D.dist.destroy_process_group()
         return EXIT_OK
     if world_size > 1:
+        if device_type == "cpu":
+            _preload(settings)
         return D.spawn_local(world_size, device_type, train, settings)
     return _run_single(settings, device_type)
+
+
+def _preload(settings) -> None:
+    """Import what every rank will import, once, before the ranks are forked from here
+    (each import would otherwise be repeated by every rank, costing CPU seconds on a
+    machine without cached bytecode)."""
+    import contextlib
+    import importlib
+
+    names = ["torch._dynamo", "minddp", "zero1"]  # torch.optim's optimizers import dynamo
+    if settings.model.norm in ("tritonnorm", "reference"):
+        names.append("tritonnorm")
+    for name in names:
+        with contextlib.suppress(ImportError):  # the rank that needs it reports the failure
+            importlib.import_module(name)
 
 
 def _run_single(settings, device_type: str) -> int:
