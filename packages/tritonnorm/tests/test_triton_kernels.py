@@ -62,6 +62,7 @@ def test_looped_path(kernel_device, monkeypatch, dtype):
     monkeypatch.setattr(k, "MAX_FUSED_BLOCK_FWD", 16)
     monkeypatch.setattr(k, "MAX_FUSED_BLOCK_BWD", 16)
     monkeypatch.setattr(k, "LOOP_CHUNK", 32)
+    monkeypatch.setattr(k, "LOOP_CHUNK_BWD", 32)
     x, w, dy = random_inputs((9, 100), dtype, torch.float32, seed=3, device=kernel_device)
     _check(x, w, dy)
 

@@ -47,13 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     )
     if not use_kernels:
         return RMSNormTorchFunction.apply(x, weight, eps)
-    # Checked here once (the kernel path is host-overhead sensitive at small sizes).
-    check_rms_norm_args(x, weight, kernel=True)
-    eps = check_eps(eps)
     # Under torch.compile the custom op keeps the kernels in the graph (fullgraph works);
-    # in eager mode the autograd.Function runs the same kernels with less Python overhead.
+    # in eager mode the autograd.Function runs the same kernels with less Python overhead
+    # (and checks its arguments itself: the hot path checks them once).
     if _custom_ops.AVAILABLE and (_is_compiling() or FORCE_CUSTOM_OP):
-        return _custom_ops.rms_norm_triton(x, weight, eps)
+        check_rms_norm_args(x, weight, kernel=True)
+        return _custom_ops.rms_norm_triton(x, weight, check_eps(eps))
     return RMSNormFunction.apply(x, weight, eps)
 
 

@@ -21,6 +21,7 @@ column sum of fixed shape: no atomics anywhere, so two runs give bitwise the sam
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -30,7 +31,7 @@ import triton.language as tl
 # Tests lower these to exercise the looped path on small rows.
 MAX_FUSED_BLOCK_FWD = 32768
 MAX_FUSED_BLOCK_BWD = 16384
-# Columns per program in the looped kernels.
+# Columns per chunk in the looped forward (the looped backward's is LOOP_CHUNK_BWD).
 LOOP_CHUNK = 4096
 
 
@@ -92,7 +93,7 @@ def _fwd_looped_kernel(
 def _bwd_rows_kernel(
     X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols, stride_x, stride_dy, stride_dx,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_SUM: tl.constexpr,
 ):
     # Persistent grid: program pid walks over row tiles pid, pid + P, ...; writes dx per
     # tile and keeps its share of dweight in float32 registers until the end. With
@@ -105,7 +106,13 @@ def _bwd_rows_kernel(
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    # ROW_SUM folds each tile's rows into a [BLOCK_H] accumulator (fewer registers, so
+    # taller tiles fit); otherwise the accumulator keeps the tile's shape (no reduction
+    # across threads inside the loop).
+    if ROW_SUM:
+        dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    else:
+        dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_R)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = (rows < n_rows)[:, None] & col_ok[None, :] & PREFETCH
@@ -142,10 +149,15 @@ def _bwd_rows_kernel(
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
                      dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
-            # Elementwise accumulation: no cross-thread reduction inside the loop.
-            dw_acc += dy * x_hat
+            if ROW_SUM:
+                dw_acc += tl.sum(dy * x_hat, axis=0)
+            else:
+                dw_acc += dy * x_hat
     if HAS_DW:
-        tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+        if ROW_SUM:
+            tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+        else:
+            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -232,6 +244,89 @@ def _bwd_dx_looped_kernel(
     tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # dweight = column sum of the [n_part, H] float32 partials, in a fixed order (the same
+    # shape always adds the same numbers in the same order: bitwise reproducible), cast
+    # once to the weight's dtype in the same launch.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_part, BLOCK_P):
+        r = start + tl.arange(0, BLOCK_P)
+        m = (r < n_part)[:, None] & col_ok[None, :]
+        acc += tl.load(PART + r.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
+
+
+# --------------------------------------------------------------------------- launching
+#
+# A launch through ``kernel[grid](...)`` makes Triton bind the arguments, compute their
+# specialisation key and look the compiled kernel up on every call: tens of microseconds
+# of Python, which at small sizes is longer than the kernel. After the first launch of a
+# given specialisation we keep the CompiledKernel Triton returned and launch it directly.
+# Our key holds everything Triton specialises on: the kernel, the device, num_warps, the
+# constexpr values, each tensor's dtype and 16-byte alignment, each int's ==1 and
+# divisible-by-16 properties and whether it fits in int32. Floats (eps) are not
+# specialised by Triton. Only on Triton >= 3.4, whose launcher takes every argument
+# (constexprs included) in signature order; never under the interpreter.
+
+
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, AttributeError):  # pragma: no cover - odd version strings
+        return (0, 0)
+
+
+DIRECT_LAUNCH = _triton_version() >= (3, 4) and os.environ.get("TRITON_INTERPRET") != "1"
+_COMPILED: dict = {}
+_MAX_COMPILED = 4096
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF
+    return type(a)
+
+
+def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_warps: int):
+    """Launch ``kernel`` over ``grid`` with runtime ``args`` then constexpr ``consts``.
+
+    Every kernel in this module takes its runtime arguments first and its constexprs
+    last, so ``args + consts`` is the full positional signature.
+    """
+    global DIRECT_LAUNCH
+    if not DIRECT_LAUNCH:
+        kernel[grid](*args, *consts, num_warps=num_warps)
+        return
+    key = (kernel, torch.cuda.current_device(), num_warps, consts, *map(_arg_key, args))
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        try:
+            compiled[grid](*args, *consts)
+            return
+        except (TypeError, SystemError):  # pragma: no cover - a launcher of another shape
+            DIRECT_LAUNCH = False
+            _COMPILED.clear()
+            kernel[grid](*args, *consts, num_warps=num_warps)
+            return
+    compiled = kernel[grid](*args, *consts, num_warps=num_warps)
+    if compiled is None or not hasattr(compiled, "function"):
+        DIRECT_LAUNCH = False  # not the Triton we know: always go through the JIT
+        return
+    if len(_COMPILED) >= _MAX_COMPILED:
+        _COMPILED.clear()
+    _COMPILED[key] = compiled
+
+
 # --------------------------------------------------------------------------- launch helpers
 
 
@@ -265,11 +360,22 @@ _FWD_TUNED = {
     (4, 1024): (1, 4), (4, 2048): (4, 4), (4, 4096): (4, 16), (4, 8192): (1, 16),
     (2, 1024): (4, 8), (2, 2048): (1, 4), (2, 4096): (4, 8), (2, 8192): (2, 4),
 }
+# (element size, BLOCK_H) -> programs per SM where a persistent forward measured faster.
+_FWD_PERSISTENT: dict[tuple[int, int], int] = {}
+# -> (BLOCK_R, num_warps, programs per SM, ROW_SUM) for the persistent backward.
 _BWD_TUNED = {
-    (4, 1024): (8, 16, 1), (4, 2048): (4, 8, 1), (4, 4096): (2, 16, 1), (4, 8192): (1, 8, 1),
-    (2, 1024): (8, 16, 1), (2, 2048): (2, 8, 2), (2, 4096): (2, 16, 1), (2, 8192): (1, 16, 1),
-    (4, 16384): (1, 16, 1), (2, 16384): (1, 16, 1),
+    (4, 1024): (8, 16, 1, False), (4, 2048): (4, 8, 1, False), (4, 4096): (2, 16, 1, False),
+    (4, 8192): (1, 8, 1, False), (2, 1024): (8, 16, 1, False), (2, 2048): (2, 8, 2, False),
+    (2, 4096): (2, 16, 1, False), (2, 8192): (1, 16, 1, False),
+    (4, 16384): (1, 16, 1, False), (2, 16384): (1, 16, 1, False),
 }
+
+
+# Looped kernels (rows longer than a fused block): columns per chunk, warps, programs
+# per SM.
+LOOP_FWD_WARPS, LOOP_FWD_PER_SM = 16, 2
+LOOP_BWD_WARPS, LOOP_BWD_PER_SM = 4, 4
+LOOP_CHUNK_BWD = 4096
 
 
 @functools.lru_cache(maxsize=1024)
@@ -286,15 +392,57 @@ def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_R, BLOCK_H, num_warps, programs per SM) of the fused persistent backward."""
+def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_R, BLOCK_H, num_warps, programs per SM, ROW_SUM) of the fused backward."""
     block_h = max(16, triton.next_power_of_2(n_cols))
     if (elem_size, block_h) in _BWD_TUNED:
-        block_r, num_warps, per_sm = _BWD_TUNED[(elem_size, block_h)]
-        return block_r, block_h, num_warps, per_sm
+        block_r, num_warps, per_sm, row_sum = _BWD_TUNED[(elem_size, block_h)]
+        return block_r, block_h, num_warps, per_sm, row_sum
     block_r = max(1, min(64, 8192 // block_h))
     num_warps = max(1, min(16, block_r * block_h // 512))
-    return block_r, block_h, num_warps, 1
+    return block_r, block_h, num_warps, 1, False
+
+
+def fwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int]:
+    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM (0: one per tile), CHUNK)."""
+    return _fwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_FWD, LOOP_CHUNK,
+                     LOOP_FWD_WARPS, LOOP_FWD_PER_SM)
+
+
+def clear_plan_caches() -> None:
+    """Forget cached launch plans (after the tuning tables above were changed)."""
+    for f in (fwd_config, bwd_config, _fwd_plan, _bwd_plan):
+        f.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
+    block_r, block_h, num_warps = fwd_config(n_cols, elem_size)
+    if block_h > max_block:
+        return True, 1, block_h, loop_warps, loop_per_sm, min(chunk, block_h)
+    per_sm = _FWD_PERSISTENT.get((elem_size, block_h), 0)
+    return False, block_r, block_h, num_warps, per_sm, chunk
+
+
+def bwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int, bool]:
+    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK, ROW_SUM)."""
+    return _bwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_BWD, LOOP_CHUNK_BWD,
+                     LOOP_BWD_WARPS, LOOP_BWD_PER_SM)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
+    block_r, block_h, num_warps, per_sm, row_sum = bwd_config(n_cols, elem_size)
+    if block_h > max_block:
+        return True, 1, block_h, loop_warps, loop_per_sm, min(chunk, block_h), False
+    return False, block_r, block_h, num_warps, per_sm, chunk, row_sum
+
+
+def _n_programs(x: torch.Tensor, per_sm: int) -> int:
+    if x.is_cuda:
+        index = x.device.index
+        return per_sm * _sm_count(torch.cuda.current_device() if index is None else index)
+    return 3
 
 
 def rms_norm_fwd(
@@ -312,55 +460,57 @@ def rms_norm_fwd(
     Returns:
         (y with x's shape and dtype, rstd of shape (rows,) in float32).
     """
-    cfg = config or {}
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, n_cols)
+    y2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
-        return y, rstd
+        return y2.view(x.shape), rstd
     w = weight if weight.is_contiguous() else weight.contiguous()
-    block_r, block_h, num_warps = fwd_config(n_cols, x.element_size())
-    looped = cfg.get("looped", block_h > MAX_FUSED_BLOCK_FWD)
+    looped, block_r, block_h, num_warps, per_sm, chunk = fwd_plan(n_cols, x.element_size())
+    if config:
+        looped = config.get("looped", looped)
+        block_r = config.get("block_r", block_r)
+        num_warps = config.get("num_warps", num_warps if not looped else LOOP_FWD_WARPS)
+        per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_FWD_PER_SM)
+        chunk = min(config.get("chunk", chunk), block_h)
+    args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
     if looped:
-        chunk = min(cfg.get("chunk", LOOP_CHUNK), block_h)
-        # Two programs per SM keep about 2 * 132 rows in flight: at H = 65,536 in bfloat16
-        # that is ~34 MB, so the second pass over a row mostly finds it in L2.
-        grid = (min(n_rows, persistent_programs(x.device, cfg.get("programs_per_sm", 2))),)
-        _fwd_looped_kernel[grid](
-            x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
-            CHUNK=chunk, num_warps=cfg.get("num_warps", 16),
-        )
+        # One row per program at a time, read twice (sum of squares, then normalise). With
+        # few programs per SM the rows in flight fit in L2, so the second read hits it.
+        grid = (min(n_rows, _n_programs(x, per_sm)), 1, 1)
+        _launch(_fwd_looped_kernel, grid, args, (chunk,), num_warps)
+    elif per_sm:
+        grid = (min(triton.cdiv(n_rows, block_r), _n_programs(x, per_sm)), 1, 1)
+        _launch(_fwd_rows_persistent_kernel, grid, args, (block_r, block_h), num_warps)
     else:
-        block_r = cfg.get("block_r", block_r)
-        num_warps = cfg.get("num_warps", num_warps)
-        n_tiles = triton.cdiv(n_rows, block_r)
-        per_sm = cfg.get("programs_per_sm", 0)
-        if per_sm:
-            grid = (min(n_tiles, persistent_programs(x.device, per_sm)),)
-            _fwd_rows_persistent_kernel[grid](
-                x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
-                BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
-            )
-        else:
-            _fwd_rows_kernel[(n_tiles,)](
-                x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), y2.stride(0), eps,
-                BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
-            )
-    return y, rstd
+        grid = (triton.cdiv(n_rows, block_r), 1, 1)
+        _launch(_fwd_rows_kernel, grid, args, (block_r, block_h), num_warps)
+    return y2.view(x.shape), rstd
 
 
-def _sum_partials(part: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Sum the per-program partial weight gradients over programs.
+# "torch": reduce the partial weight gradients with one ATen column sum (plus a cast);
+# "triton": with _sum_partials_kernel (one launch, cast included). Same numbers either
+# way up to summation order; each is bitwise reproducible on its own.
+DW_REDUCE = "triton"
 
-    A plain column sum of a fixed-shape [n_programs, H] float32 buffer: PyTorch reduces
-    it without atomics in an order fixed by the shape, so the result is bitwise
-    reproducible, and one ATen call costs less host time than another Triton launch.
+
+def _sum_partials(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Sum the [n_programs, H] float32 partial weight gradients over programs.
+
+    No atomics: the order of the additions is fixed by the buffer's shape, so the result
+    is bitwise reproducible.
     """
-    out = part.sum(dim=0)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    if DW_REDUCE == "torch":
+        out = part.sum(dim=0)
+        return out if weight.dtype == torch.float32 else out.to(weight.dtype)
+    n_part, n_cols = part.shape
+    out = torch.empty(n_cols, dtype=weight.dtype, device=part.device)
+    block_c = 64 if n_cols <= 8192 else 256
+    _launch(_sum_partials_kernel, (triton.cdiv(n_cols, block_c), 1, 1),
+            (part, out, n_part, n_cols), (16, block_c), 4)
+    return out
 
 
 def rms_norm_bwd(
@@ -382,55 +532,53 @@ def rms_norm_bwd(
         rstd: the forward's per-row 1/RMS, float32 (rows,).
         needs_dx: compute dL/dx (else None is returned in its place).
         needs_dw: compute dL/dweight (else None).
-        config: optional overrides (block_r, num_warps, programs_per_sm, looped, chunk).
+        config: optional overrides (block_r, num_warps, programs_per_sm, looped, chunk,
+            row_sum, prefetch).
 
     Returns:
         (dx in x's dtype and shape or None, dweight in the weight's dtype or None).
     """
-    cfg = config or {}
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     dy2 = _as_rows(grad_output)
     n_rows = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
     if n_rows == 0:
-        dw = torch.zeros_like(weight) if needs_dw else None
-        return dx, dw
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_dx else None
+        return dx, (torch.zeros_like(weight) if needs_dw else None)
     if not (needs_dx or needs_dw):
         return None, None
-    dx2 = dx.view(-1, n_cols) if needs_dx else x2  # placeholder pointer when unused
+    dx2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if needs_dx else x2
     w = weight if weight.is_contiguous() else weight.contiguous()
-    block_r, block_h, num_warps, per_sm = bwd_config(n_cols, x.element_size())
-    looped = cfg.get("looped", block_h > MAX_FUSED_BLOCK_BWD)
+    plan = bwd_plan(n_cols, x.element_size())
+    looped, block_r, block_h, num_warps, per_sm, chunk, row_sum = plan
+    if config:
+        looped = config.get("looped", looped)
+        block_r = config.get("block_r", block_r)
+        num_warps = config.get("num_warps", num_warps if not looped else LOOP_BWD_WARPS)
+        per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_BWD_PER_SM)
+        chunk = min(config.get("chunk", chunk), block_h)
+        row_sum = config.get("row_sum", row_sum)
     if looped:
-        chunk = min(cfg.get("chunk", LOOP_CHUNK), block_h)
         n_slices = triton.cdiv(n_cols, chunk)
-        n_groups = min(n_rows, max(1, persistent_programs(x.device, cfg.get("programs_per_sm", 4))
-                                   // n_slices))
+        n_groups = min(n_rows, max(1, _n_programs(x, per_sm) // n_slices))
         dot_part = torch.empty((n_rows, n_slices), dtype=torch.float32, device=x.device)
         dw_part = torch.empty((n_groups, n_cols), dtype=torch.float32, device=x.device)
-        warps = cfg.get("num_warps", 4)
-        _bwd_slices_kernel[(n_slices, n_groups)](
-            x2, w, dy2, rstd, dot_part, dw_part, n_rows, n_cols, x2.stride(0), dy2.stride(0),
-            BLOCK_H=chunk, HAS_DX=needs_dx, HAS_DW=needs_dw, num_warps=warps,
-        )
+        _launch(_bwd_slices_kernel, (n_slices, n_groups, 1),
+                (x2, w, dy2, rstd, dot_part, dw_part, n_rows, n_cols, x2.stride(0),
+                 dy2.stride(0)),
+                (chunk, needs_dx, needs_dw), num_warps)
         if needs_dx:
-            _bwd_dx_looped_kernel[(n_rows, n_slices)](
-                x2, w, dy2, rstd, dot_part, dx2, n_rows, n_cols, n_slices,
-                x2.stride(0), dy2.stride(0), dx2.stride(0),
-                BLOCK_H=chunk, BLOCK_S=max(16, triton.next_power_of_2(n_slices)), num_warps=warps,
-            )
+            _launch(_bwd_dx_looped_kernel, (n_rows, n_slices, 1),
+                    (x2, w, dy2, rstd, dot_part, dx2, n_rows, n_cols, n_slices,
+                     x2.stride(0), dy2.stride(0), dx2.stride(0)),
+                    (chunk, max(16, triton.next_power_of_2(n_slices))), num_warps)
     else:
-        block_r = cfg.get("block_r", block_r)
-        num_warps = cfg.get("num_warps", num_warps)
-        per_sm = cfg.get("programs_per_sm", per_sm)
-        n_prog = min(triton.cdiv(n_rows, block_r), persistent_programs(x.device, per_sm))
+        n_prog = min(triton.cdiv(n_rows, block_r), _n_programs(x, per_sm))
         dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
-        _bwd_rows_kernel[(n_prog,)](
-            x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
-            x2.stride(0), dy2.stride(0), dx2.stride(0),
-            BLOCK_R=block_r, BLOCK_H=block_h, HAS_DX=needs_dx, HAS_DW=needs_dw,
-            PREFETCH=cfg.get("prefetch", block_h <= 8192), num_warps=num_warps,
-        )
-    dw = _sum_partials(dw_part, weight.dtype) if needs_dw else None
-    return dx, dw
+        prefetch = block_h <= 8192 if not config else config.get("prefetch", block_h <= 8192)
+        _launch(_bwd_rows_kernel, (n_prog, 1, 1),
+                (x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
+                 x2.stride(0), dy2.stride(0), dx2.stride(0)),
+                (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum), num_warps)
+    dw = _sum_partials(dw_part, weight) if needs_dw else None
+    return (dx2.view(x.shape) if needs_dx else None), dw

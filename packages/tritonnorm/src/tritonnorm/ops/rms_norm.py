@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritonnorm.ops import kernels
-from tritonnorm.ops.validation import check_eps, check_rms_norm_args
+from tritonnorm.ops.validation import check_eps, check_rms_norm_args, kernel_args_ok
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -19,8 +19,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-        check_rms_norm_args(x, weight, kernel=True)
-        eps = check_eps(eps)
+        if not kernel_args_ok(x, weight, eps):
+            check_rms_norm_args(x, weight, kernel=True)
+            eps = check_eps(eps)
         y, rstd = kernels.rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y

@@ -54,3 +54,23 @@ def check_eps(eps: float) -> float:
     if not (eps >= 0.0 and eps != float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     return eps
+
+
+def kernel_args_ok(x, weight, eps) -> bool:
+    """True when the Triton kernels can take (x, weight, eps) as they are.
+
+    The cheap test on the hot path: a False sends the caller to ``check_rms_norm_args``
+    and ``check_eps``, which either raise a clear error or accept (e.g. an int eps).
+    """
+    return (
+        type(eps) is float
+        and 0.0 <= eps < float("inf")
+        and isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dtype in KERNEL_DTYPES
+        and weight.dtype in KERNEL_DTYPES
+        and weight.dim() == 1
+        and x.dim() > 0
+        and x.shape[-1] == weight.shape[0] != 0
+        and x.device == weight.device
+    )
