@@ -29,7 +29,7 @@ def run_suite(tmp_path, capsys, suite: str, *extra: str) -> list[dict]:
     "suite, key, extra",
     [("e2e", "mean_ms", ()),
      ("precision", "speedup_vs_fp32", ("--modes", "forward_backward")),
-     ("compile", "speedup_vs_eager", ("--modes", "forward_backward")),
+     ("compile", "speedup_vs_eager", ("--modes", "forward_backward", "--backend", "eager")),
      ("norm", "speedup_vs_reference", ()),
      ("memory", "peak_MiB", ())],
 )

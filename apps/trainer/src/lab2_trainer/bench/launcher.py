@@ -23,6 +23,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+#: Modules the forkserver imports before forking ranks (missing optional ones are skipped by
+#: multiprocessing).
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.optim",
+           "lab2bench", "tritonnorm", "minddp", "zero1", "lab2_trainer.model",
+           "lab2_trainer.bench.ddp", "lab2_trainer.bench.zero", "lab2_trainer.bench.stack"]
+
 
 class RankError(RuntimeError):
     """A benchmark rank raised, died or did not finish in time."""
@@ -59,11 +65,14 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, device: str, init
             timeout=timedelta(seconds=pg_timeout),
         )
         try:
-            out = fn(rank, world_size, spec)
-            results.put((rank, True, out))
+            results.put((rank, True, fn(rank, world_size, spec)))
+        except BaseException:
+            # Reported before the group is torn down: the peers' "connection closed" errors
+            # then arrive after the root cause.
+            results.put((rank, False, traceback.format_exc()))
         finally:
             dist.destroy_process_group()
-    except BaseException:  # report everything, KeyboardInterrupt included
+    except BaseException:  # setup failed; report everything, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
 
 
@@ -99,7 +108,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, spec: Any, *, device: s
             )
     threads = threads or threads_per_rank(world_size)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # The forkserver imports these once; every rank forked from it (and every later launch
+    # from this process) starts with them loaded instead of paying seconds each.
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="lab2-bench-rdzv-")
     init_file = os.path.join(tmp, "rendezvous")
@@ -152,11 +163,28 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
                     f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
                 ) from None
         if not ok:
-            raise RankError(f"rank {rank} of {world_size} raised:\n{data}")
+            raise RankError(f"rank {rank} of {world_size} raised:\n{data}"
+                            + _later_failures(results))
         got[rank] = data
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))
     return [got[r] for r in range(world_size)]
+
+
+def _later_failures(results: Any, grace: float = 1.0) -> str:
+    """Errors other ranks report within ``grace`` seconds of the first (usually consequences
+    of it, such as a peer's closed connection), summarised by their last line."""
+    lines = []
+    deadline = time.monotonic() + grace
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            rank, ok, data = results.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if not ok:
+            last = str(data).strip().splitlines()[-1:] or [""]
+            lines.append(f"\n(then rank {rank}: {last[0]})")
+    return "".join(lines)
 
 
 def ping(rank: int, world_size: int, spec: dict[str, Any]) -> float:
