@@ -67,6 +67,37 @@ def test_looped_path(kernel_device, monkeypatch, dtype):
     _check(x, w, dy)
 
 
+@pytest.mark.parametrize("reduce", ["triton", "torch"])
+def test_backward_options_agree(kernel_device, monkeypatch, reduce):
+    # The tuning knobs (ROW_SUM accumulation, the dweight reduction) change only the order
+    # of float32 additions: every variant stays within tolerance of float64.
+    k = _kernels()
+    monkeypatch.setattr(k, "DW_REDUCE", reduce)
+    x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
+                             device=kernel_device)
+    _check(x, w, dy)
+    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+    _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
+    for cfg in ({"block_r": 4, "row_sum": True}, {"block_r": 2, "programs_per_sm": 2},
+                {"looped": True, "chunk": 32}):
+        dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
+        assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
+        assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]
+
+
+def test_launch_key_tracks_triton_specialisation():
+    # The direct-launch cache must tell apart every case Triton compiles separately.
+    k = _kernels()
+    base = torch.empty(64, dtype=torch.float32)
+    assert k._arg_key(base) != k._arg_key(base[1:])  # 16-byte alignment
+    assert k._arg_key(base) != k._arg_key(base.to(torch.bfloat16))  # dtype
+    assert k._arg_key(1) != k._arg_key(17)  # == 1 is a constant to Triton
+    assert k._arg_key(32) != k._arg_key(33)  # divisibility by 16
+    assert k._arg_key(16) != k._arg_key(2**31 + 16)  # int32 vs int64
+    assert k._arg_key(17) == k._arg_key(33)
+    assert k._arg_key(True) != k._arg_key(1)
+
+
 def test_non_contiguous_inputs(kernel_device):
     x, w, dy = random_inputs((6, 4, 80), torch.float32, torch.float32, seed=5, device=kernel_device)
     xs = x[:, :, ::2]  # column stride 2
