@@ -477,8 +477,9 @@ def rms_norm_fwd(
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     n_rows = x2.shape[0]
-    y2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    # new_empty: same dtype and device without parsing them again (host time matters here).
+    y2 = x2.new_empty((n_rows, n_cols))
+    rstd = x2.new_empty((n_rows,), dtype=torch.float32)
     if n_rows == 0:
         return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
     w = weight if weight.is_contiguous() else weight.contiguous()
@@ -520,7 +521,7 @@ def _sum_partials(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = part.sum(dim=0)
         return out if weight.dtype == torch.float32 else out.to(weight.dtype)
     n_part, n_cols = part.shape
-    out = torch.empty(n_cols, dtype=weight.dtype, device=part.device)
+    out = weight.new_empty((n_cols,))
     block_c = 64 if n_cols <= 8192 else 256
     _launch(_sum_partials_kernel, (_cdiv(n_cols, block_c), 1, 1),
             (part, out, n_part, n_cols), (16, block_c), 4)
@@ -561,7 +562,7 @@ def rms_norm_bwd(
         return dx, (torch.zeros_like(weight) if needs_dw else None)
     if not (needs_dx or needs_dw):
         return None, None
-    dx2 = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if needs_dx else x2
+    dx2 = x2.new_empty((n_rows, n_cols)) if needs_dx else x2
     w = weight if weight.is_contiguous() else weight.contiguous()
     plan = bwd_plan(n_cols, x.element_size())
     looped, block_r, block_h, num_warps, per_sm, chunk, row_sum = plan
@@ -588,7 +589,7 @@ def rms_norm_bwd(
                     (chunk, max(16, 1 << (n_slices - 1).bit_length())), num_warps)
     else:
         n_prog = min(_cdiv(n_rows, block_r), _n_programs(x, per_sm))
-        dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
+        dw_part = x2.new_empty((n_prog, n_cols), dtype=torch.float32)
         prefetch = block_h <= 8192 if not config else config.get("prefetch", block_h <= 8192)
         _launch(_bwd_rows_kernel, (n_prog, 1, 1),
                 (x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
