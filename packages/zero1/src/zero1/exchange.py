@@ -1,12 +1,16 @@
 """The parameter exchange after each step: one broadcast per rank and bucket.
 
-Every parameter is rebound (``p.data = view``) to a slice of a flat buffer, one
-buffer per (device, dtype). Inside a buffer the parameters are laid out rank by rank,
-so the parameters one rank owns form one contiguous segment. After the local
-optimizer has updated its parameters in place, the owner's segment already holds the
-new values; broadcasting each rank's segment from its owner brings every rank up to
-date, with no copies and no allocation per step. That is ``world_size`` broadcasts
-per buffer, usually ``world_size`` in total, instead of one per parameter.
+Every parameter is rebound (``p.data = view``) to a slice of a flat segment: one
+segment per (device, dtype) and owning rank, so the parameters one rank owns are
+contiguous. After the local optimizer has updated its parameters in place, the
+owner's segment already holds the new values; broadcasting each rank's segment from
+its owner brings every rank up to date, with no copies and no allocation per step.
+That is ``world_size`` broadcasts per (device, dtype), usually ``world_size`` in
+total, instead of one per parameter.
+
+Segments are allocated one at a time, and each parameter's old storage is released
+as soon as it is rebound, so building them costs at most one segment (about 1/N of
+the parameters) of extra memory, not a second copy of the model.
 
 Rebinding ``.data`` keeps each ``Parameter`` object (modules, gradients and hooks see
 the same tensor), but code holding the *old* storage (say, a ``state_dict()`` taken
@@ -26,9 +30,9 @@ import torch.distributed as dist
 
 @dataclass
 class _Bucket:
-    """One flat buffer and, for each rank owning part of it, that rank's segment."""
+    """The segments of one (device, dtype): for each rank owning some, a flat buffer."""
 
-    flat: torch.Tensor
+    dtype: torch.dtype
     segments: list[tuple[int, torch.Tensor]]  # (global source rank, contiguous slice)
     bound: list[tuple[torch.Tensor, int]]  # (parameter, data_ptr it must keep)
 
@@ -68,7 +72,7 @@ class ParameterExchange:
 
     @torch.no_grad()
     def _bind(self) -> None:
-        """Allocate the flat buffers and point every parameter into them."""
+        """Allocate the flat segments and point every parameter into them."""
         world = len(self._global_ranks)
         by_key: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
         # Keys appear in the first-owned order, which is identical on every rank.
@@ -77,23 +81,22 @@ class ParameterExchange:
                 by_key.setdefault((p.device, p.dtype), [[] for _ in range(world)])[rank].append(p)
         self._buckets = []
         for (device, dtype), per_rank in by_key.items():
-            total = sum(p.numel() for params in per_rank for p in params)
-            flat = torch.empty(total, device=device, dtype=dtype)
             segments: list[tuple[int, torch.Tensor]] = []
             bound: list[tuple[torch.Tensor, int]] = []
-            offset = 0
             for rank, params in enumerate(per_rank):
-                start = offset
+                total = sum(p.numel() for p in params)
+                if total == 0:
+                    continue  # ranks with nothing here are skipped by every rank alike
+                segment = torch.empty(total, device=device, dtype=dtype)
+                offset = 0
                 for p in params:
-                    view = flat[offset : offset + p.numel()].view(p.shape)
+                    view = segment[offset : offset + p.numel()].view(p.shape)
                     view.copy_(p.data)
-                    p.data = view
+                    p.data = view  # the old storage goes as soon as nothing else holds it
                     bound.append((p, p.data_ptr()))
                     offset += p.numel()
-                # Ranks with nothing here are skipped by every rank alike.
-                if offset > start:
-                    segments.append((self._global_ranks[rank], flat[start:offset]))
-            self._buckets.append(_Bucket(flat, segments, bound))
+                segments.append((self._global_ranks[rank], segment))
+            self._buckets.append(_Bucket(dtype, segments, bound))
 
     def ensure_bound(self) -> bool:
         """Rebuild the buffers if a parameter was rebound elsewhere; True if rebuilt.
@@ -103,7 +106,7 @@ class ParameterExchange:
         """
         for bucket in self._buckets:
             for p, ptr in bucket.bound:
-                if p.data_ptr() != ptr or p.dtype != bucket.flat.dtype:
+                if p.data_ptr() != ptr or p.dtype != bucket.dtype:
                     self._bind()
                     return True
         return False
