@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from lab2_trainer.bench.launcher import RankError, ping, spawn_ranks, threads_per_rank
 from lab2_trainer.bench.trace_overlap import overlap_of_events
 from lab2_trainer.bench.workload import optimizer_state_tensors, storage_bytes, tensor_breakdown
 
@@ -52,17 +49,3 @@ def test_breakdown_of_adamw():
     # exp_avg and exp_avg_sq, plus a scalar step tensor per parameter.
     assert 8 * n <= parts["optim_state_bytes"] <= 8 * n + 64
     assert len(optimizer_state_tensors(opt)) == 6
-
-
-def test_launcher_returns_results_and_reports_failures():
-    assert spawn_ranks(ping, 2, {"offset": 1}, timeout=120) == [3.0, 3.0]
-    with pytest.raises(RankError, match="rank 1 fails on purpose"):
-        spawn_ranks(ping, 2, {"fail_rank": 1}, timeout=120, pg_timeout=60)
-
-
-def test_launcher_rejects_bad_world_size_and_leaves_env():
-    before = os.environ.get("OMP_NUM_THREADS")
-    with pytest.raises(ValueError, match="world_size"):
-        spawn_ranks(ping, 0, {})
-    assert os.environ.get("OMP_NUM_THREADS") == before
-    assert threads_per_rank(2) >= 1

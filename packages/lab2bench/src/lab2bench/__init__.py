@@ -2,7 +2,8 @@
 
 Timing (``measure``, ``Stats``), profiling (``profile``, ``label``), memory
 (``peak_memory``, ``memory_snapshot``, ``tensor_bytes``), bandwidth
-(``copy_bandwidth``), all-reduce sweeps (``lab2bench.comm.allreduce_sweep``) and
+(``copy_bandwidth``), all-reduce sweeps (``lab2bench.comm.allreduce_sweep``), a launcher
+of local ranks for distributed benchmarks (``spawn_ranks``) and
 reporting (``Recorder``, ``read_records``, ``markdown_table``, ``plot_sweep``,
 ``progress``, ``env_info``). The ``lab2bench`` command runs the benchmark suites.
 """
@@ -13,6 +14,7 @@ from lab2bench.devices import resolve_device, synchronize
 from lab2bench.env import env_info, git_commit
 from lab2bench.memory import MemorySnapshot, PeakMemory, memory_snapshot, peak_memory, tensor_bytes
 from lab2bench.profiling import ProfileResult, label, profile
+from lab2bench.ranks import RankError, spawn_ranks
 from lab2bench.records import (
     Recorder,
     atomic_write_bytes,
@@ -30,6 +32,7 @@ __all__ = [
     "MemorySnapshot",
     "PeakMemory",
     "ProfileResult",
+    "RankError",
     "Recorder",
     "Stats",
     "Suite",
@@ -51,6 +54,7 @@ __all__ = [
     "read_records",
     "register_suite",
     "resolve_device",
+    "spawn_ranks",
     "synchronize",
     "tensor_bytes",
     "write_jsonl",

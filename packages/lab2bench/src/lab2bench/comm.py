@@ -13,19 +13,13 @@ nccl-tests conventions:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import shutil
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from lab2bench.ranks import RankError, spawn_ranks
 from lab2bench.report import progress as _progress
 from lab2bench.timing import Stats
 
@@ -37,7 +31,7 @@ DEFAULT_SIZES = (512 * KB, 1 * MB, 10 * MB, 50 * MB, 100 * MB, 500 * MB, 1 * GB)
 DEFAULT_WORLD_SIZES = (2, 4, 6)
 
 
-class CommBenchError(RuntimeError):
+class CommBenchError(RankError):
     """A rank raised, died or did not finish within the timeout."""
 
 
@@ -72,117 +66,55 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def _rank_main(rank: int, world_size: int, backend: str, device_type: str, init_file: str,
-               sizes: list[int], dtype: torch.dtype, warmup: int, repeats: int,
-               pg_timeout: float, results: Any) -> None:
-    """One rank: join the group, time all_reduce at every size, send rank 0's figures."""
-    try:
-        import torch.distributed as dist
+def _allreduce_rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict] | None:
+    """One rank (group already joined): time all_reduce at every size; rank 0 reports."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)  # the ranks share the machine's cores
-        if device_type == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        try:
-            out = []
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            for size in sizes:
-                numel = max(1, size // itemsize)
-                data = torch.full((numel,), float(rank + 1), dtype=dtype, device=device)
-                dist.all_reduce(data)
-                expected = world_size * (world_size + 1) / 2
-                got = float(data[0].item())
-                if abs(got - expected) > 1e-3 * expected:
-                    raise RuntimeError(f"all_reduce gave {got}, expected {expected}")
-                for _ in range(warmup):
-                    dist.all_reduce(data)
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()  # start together: otherwise one rank's wait is timed
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    dist.all_reduce(data)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times.append(time.perf_counter() - t0)
-                # The slowest rank decides when each call was done.
-                slowest = torch.tensor(times, dtype=torch.float64, device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                out.append({"size_bytes": numel * itemsize, "numel": numel,
-                            "samples_s": slowest.cpu().tolist()})
-                del data
-            results.put((rank, True, out if rank == 0 else None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report everything to the parent, KeyboardInterrupt included
-        results.put((rank, False, traceback.format_exc()))
-
-
-def _context() -> Any:
-    # A forkserver that imported torch once starts each rank in milliseconds; spawn
-    # would import torch again in every rank, and fork is unsafe with threads/CUDA.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "lab2bench.comm"])
-    return ctx
+    device = torch.device("cuda", torch.cuda.current_device()) if spec["device"] == "cuda" \
+        else torch.device("cpu")
+    dtype, warmup, repeats = spec["dtype"], spec["warmup"], spec["repeats"]
+    out = []
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for size in spec["sizes"]:
+        numel = max(1, size // itemsize)
+        data = torch.full((numel,), float(rank + 1), dtype=dtype, device=device)
+        dist.all_reduce(data)
+        expected = world_size * (world_size + 1) / 2
+        got = float(data[0].item())
+        if abs(got - expected) > 1e-3 * expected:
+            raise RuntimeError(f"all_reduce gave {got}, expected {expected}")
+        for _ in range(warmup):
+            dist.all_reduce(data)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()  # start together: otherwise one rank's wait is timed
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(data)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        # The slowest rank decides when each call was done.
+        slowest = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out.append({"size_bytes": numel * itemsize, "numel": numel,
+                    "samples_s": slowest.cpu().tolist()})
+        del data
+    return out if rank == 0 else None
 
 
 def _run_cell(backend: str, device_type: str, world_size: int, sizes: list[int],
               dtype: torch.dtype, warmup: int, repeats: int, timeout: float) -> list[dict]:
-    ctx = _context()
-    results = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="lab2bench-rdzv-")
-    init_file = os.path.join(tmp, "rendezvous")
-    procs = []
-    saved_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    spec = {"device": device_type, "sizes": sizes, "dtype": dtype, "warmup": warmup,
+            "repeats": repeats}
     try:
-        for rank in range(world_size):
-            p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(rank, world_size, backend, device_type, init_file, sizes,
-                                  dtype, warmup, repeats, timeout, results))
-            p.start()
-            procs.append(p)
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(got))
-                raise CommBenchError(f"ranks {missing} did not finish within {timeout:.0f}s")
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in got and not p.is_alive() and p.exitcode not in (0, None)]
-                if not dead:
-                    continue
-                try:  # its traceback may still be on the way
-                    rank, ok, payload = results.get(timeout=2.0)
-                except queue.Empty:
-                    raise CommBenchError(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                    ) from None
-            if not ok:
-                raise CommBenchError(f"rank {rank} of {world_size} raised:\n{payload}")
-            got[rank] = payload
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        return got[0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        if saved_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_threads
-        shutil.rmtree(tmp, ignore_errors=True)
+        # One thread per rank: the ranks share the machine's cores.
+        return spawn_ranks(_allreduce_rank, world_size, spec, device=device_type,
+                           backend=backend, timeout=timeout, threads=1,
+                           preload=["lab2bench.comm"])[0]
+    except RankError as err:
+        raise CommBenchError(str(err)) from err
 
 
 def _infeasible(backend: str, device: str, world_size: int, max_bytes: int,
