@@ -144,46 +144,10 @@ def split_bounds(split: list[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-class AdamW:
-    """Decoupled-weight-decay Adam, as torch.optim.AdamW computes it.
-
-    Our own because constructing a ``torch.optim`` optimizer imports torch._dynamo,
-    which costs each freshly spawned rank tens of seconds on a loaded 2-core
-    machine. Like torch's, it skips parameters whose ``.grad`` is None.
-    """
-
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1):
-        self.params = list(params)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.state: dict[int, dict[str, Any]] = {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        beta1, beta2 = self.betas
-        for p in self.params:
-            if p.grad is None:
-                continue
-            state = self.state.setdefault(
-                id(p), {"step": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)}
-            )
-            state["step"] += 1
-            t = state["step"]
-            p.mul_(1 - self.lr * self.weight_decay)
-            state["m"].lerp_(p.grad, 1 - beta1)
-            state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            denom = (state["v"] / (1 - beta2**t)).sqrt_().add_(self.eps)
-            p.addcdiv_(state["m"], denom, value=-self.lr / (1 - beta1**t))
-
-
-def make_optimizer(model: nn.Module) -> AdamW:
-    return AdamW(model.parameters())
+def make_optimizer(model: nn.Module) -> torch.optim.AdamW:
+    # torch's own AdamW: the test harness's forkserver preloads torch._dynamo, which
+    # building an optimizer imports, so ranks do not pay for that import.
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def few_buckets_mb(model: nn.Module) -> float:
