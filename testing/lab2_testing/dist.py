@@ -15,19 +15,19 @@ where test modules are not importable by name. Arguments and results travel as
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from lab2_testing.modules import load_path
 
 
 class RankFailed(RuntimeError):
@@ -49,16 +49,7 @@ def _loads(data: bytes) -> Any:
 
 
 def _load_function(path: str, name: str) -> Callable[..., Any]:
-    module_name = f"_lab2_rank_module_{abs(hash(path))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return getattr(module, name)
+    return getattr(load_path(path, f"_lab2_rank_module_{abs(hash(path))}"), name)
 
 
 def _child(rank: int, world_size: int, init_file: str, pg_timeout: float, path: str,

@@ -7,12 +7,9 @@ rank costs seconds per ``run_ranks`` call on a loaded 2-core machine.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
+from lab2_testing import load_sibling
 from minddp import (
     DDPBucketed,
     DDPIndividualParameters,
@@ -21,18 +18,7 @@ from minddp import (
     check_model_consistency,
 )
 
-
-def _sibling(filename: str, name: str):
-    # Loaded by path: pytest's importlib mode keeps this folder off sys.path.
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-kit = _sibling("ddp_testkit.py", "_minddp_ddp_testkit")
+kit = load_sibling(__file__, "ddp_testkit.py", "_minddp_ddp_testkit")
 
 # ---- parity: every variant x model ----
 PARITY_STEPS = 3

@@ -7,26 +7,11 @@ is single-process training on the sum of every rank's loss.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-from lab2_testing import run_ranks
+from lab2_testing import load_sibling, run_ranks
 
-
-def _sibling(filename: str, name: str):
-    # Loaded by path: pytest's importlib mode keeps this folder off sys.path.
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-programs = _sibling("rank_programs.py", "_minddp_rank_programs")
+programs = load_sibling(__file__, "rank_programs.py", "_minddp_rank_programs")
 kit = programs.kit
 
 
