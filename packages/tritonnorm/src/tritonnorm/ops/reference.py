@@ -62,14 +62,8 @@ def rms_norm_backward_x(
     """
     check_rms_norm_args(x, weight)
     _check_grad_shape(grad_output, x)
-    eps = check_eps(eps)
-    dt = _math_dtype(grad_output, x, weight)
-    xf, dy, g = x.to(dt), grad_output.to(dt), weight.to(dt)
-    r = _rstd(xf, eps)
-    x_hat = xf * r
-    g_dy = g * dy
-    c = (g_dy * x_hat).mean(dim=-1, keepdim=True)
-    return (r * (g_dy - x_hat * c)).to(x.dtype)
+    dx, _ = _closed_form_grads(grad_output, x, weight, check_eps(eps), need_x=True, need_w=False)
+    return dx
 
 
 def rms_norm_backward_weight(
@@ -88,11 +82,32 @@ def rms_norm_backward_weight(
     """
     check_rms_norm_args(x, weight)
     _check_grad_shape(grad_output, x)
-    eps = check_eps(eps)
+    _, dw = _closed_form_grads(grad_output, x, weight, check_eps(eps), need_x=False, need_w=True)
+    return dw
+
+
+def _closed_form_grads(
+    grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    need_x: bool, need_w: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dx, dL/dweight) from one computation of rstd and x_hat; arguments checked.
+
+    With r = 1/sqrt(mean(x**2) + eps) and x_hat = x * r:
+    dL/dweight = sum over rows of dy * x_hat, and
+    dL/dx = r * (g*dy - x_hat * mean(g*dy * x_hat)).
+    """
     dt = _math_dtype(grad_output, x, weight)
     xf, dy = x.to(dt), grad_output.to(dt)
-    x_hat = xf * _rstd(xf, eps)
-    return (dy * x_hat).reshape(-1, x.shape[-1]).sum(dim=0).to(weight.dtype)
+    r = _rstd(xf, eps)
+    x_hat = xf * r
+    dx = dw = None
+    if need_x:
+        g_dy = weight.to(dt) * dy
+        c = (g_dy * x_hat).mean(dim=-1, keepdim=True)
+        dx = (r * (g_dy - x_hat * c)).to(x.dtype)
+    if need_w:
+        dw = (dy * x_hat).reshape(-1, x.shape[-1]).sum(dim=0).to(weight.dtype)
+    return dx, dw
 
 
 def _check_grad_shape(grad_output: torch.Tensor, x: torch.Tensor) -> None:
@@ -120,6 +135,8 @@ class RMSNormTorchFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = rms_norm_backward_x(grad_output, x, weight, ctx.eps) if need_x else None
-        dw = rms_norm_backward_weight(grad_output, x, weight, ctx.eps) if need_w else None
+        if not (need_x or need_w):
+            return None, None, None
+        # Both closed forms share rstd and x_hat: compute them once (forward checked the args).
+        dx, dw = _closed_form_grads(grad_output, x, weight, ctx.eps, need_x=need_x, need_w=need_w)
         return dx, dw, None
