@@ -4,7 +4,6 @@ input answered by one line on stderr, exit code 2 and no file written."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import types
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from lab2_trainer.cli import main
-from lab2_trainer.data import stdlib_root
 
 torch.set_num_threads(1)
 
@@ -21,13 +19,6 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
         "--context-length", "32", "--batch-size", "8", "--eval-batches", "2",
         "--sample-tokens", "0", "--quiet", "--no-plot"]
 
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for path in sorted(stdlib_root().glob("*.py"))[:20]:
-        shutil.copy(path, root / path.name)
-    return root
 
 
 @pytest.fixture(scope="module")

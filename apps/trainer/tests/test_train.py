@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.data import stdlib_root
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.settings import TrainSettings
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    """A small real corpus: the first top-level modules of the standard library."""
-    root = tmp_path_factory.mktemp("corpus")
-    for path in sorted(stdlib_root().glob("*.py"))[:30]:
-        shutil.copy(path, root / path.name)
-    return root
 
 
 def tiny_settings(data: Path, out: Path, **overrides) -> TrainSettings:

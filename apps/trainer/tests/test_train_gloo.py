@@ -3,15 +3,10 @@ PyTorch's), and checkpoint resume at the same and at a different number of ranks
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-import pytest
 import torch
 
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.data import stdlib_root
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.settings import TrainSettings
 from lab2_trainer.train import Trainer
@@ -28,13 +23,6 @@ VARIANTS = [
     ("naive", "torch", "tritonnorm", 1),
 ]
 
-
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for path in sorted(stdlib_root().glob("*.py"))[:20]:
-        shutil.copy(path, root / path.name)
-    return root
 
 
 def tiny_settings(data, out, **overrides) -> TrainSettings:
