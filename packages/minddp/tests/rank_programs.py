@@ -227,3 +227,17 @@ def dead_peer_rank(rank: int, world_size: int) -> dict:
     except RuntimeError as error:  # Gloo: peer closed, or the group's timeout
         return {"error": str(error)[:200], "seconds": time.perf_counter() - start}
     return {"error": None, "seconds": time.perf_counter() - start}
+
+
+# ---- the averaging collective ----
+def averaging_rank(rank: int, world_size: int, seed: int) -> dict:
+    from minddp.averaging import Averager
+
+    averager = Averager()
+    out = {"native": averager.native_average, "world_size": averager.world_size}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        g = torch.Generator().manual_seed(seed + rank)
+        t = torch.randn(37, generator=g, dtype=torch.float64).to(dtype)
+        averager.start(t).wait()
+        out[str(dtype)] = t.double()
+    return out

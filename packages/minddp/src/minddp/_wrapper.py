@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp._group import group_size, require_initialized
+from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
 from minddp.model_check import check_model_consistency
 from minddp.stats import SyncStats
@@ -36,6 +37,7 @@ class DataParallelWrapper(nn.Module):
         # Compare first: broadcasting into a mismatched model would hang or corrupt.
         check_model_consistency(module, process_group=process_group)
         broadcast_module(module, 0, process_group=process_group)
+        self._averager = Averager(process_group)
         self._sync_enabled = True
         self._hook_handles: list[Any] = []
         self.last_sync_stats = SyncStats()

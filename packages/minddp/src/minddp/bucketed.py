@@ -37,7 +37,7 @@ class DDPBucketed(DataParallelWrapper):
     (re)attached before every forward, so ``zero_grad(set_to_none=True)`` is fine.
 
     Ordering guarantee. When the last member of a bucket gets its gradient, the
-    bucket is divided by the world size and its asynchronous all-reduce starts, but
+    bucket's asynchronous averaging all-reduce starts (:mod:`minddp.averaging`), but
     only once every earlier bucket has started: bucket i never goes out before
     bucket i-1. The bucket order is the same on every rank, so all ranks issue the
     same collectives in the same order even when their backward passes differ. The
@@ -191,11 +191,7 @@ class DDPBucketed(DataParallelWrapper):
         else:
             used = [float(self._used[i]) for i in bucket.members]
             bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
-        if self.world_size > 1:
-            bucket.buffer.div_(self.world_size)  # pre-divide: the sum is then the average
-        self._handles.append(
-            dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        )
+        self._handles.append(self._averager.start(bucket.buffer))
 
     def _relearn_buckets(self) -> None:
         """Rebuild the buckets along the gradient order rank 0 observed (once)."""

@@ -18,8 +18,8 @@ class DDPIndividualParameters(DataParallelWrapper):
     """Overlap gradient communication with backward, one all-reduce per parameter.
 
     Each trainable parameter gets a post-accumulate-grad hook. When its gradient
-    is complete, the hook divides it by the world size and starts an asynchronous
-    all-reduce (sum) on it in place, so the gradients of late layers travel while
+    is complete, the hook starts an asynchronous all-reduce that averages it in place
+    (see :mod:`minddp.averaging`), so the gradients of late layers travel while
     autograd still computes earlier ones.
 
     Ordering guarantee. Gloo and NCCL pair collectives by the order they are
@@ -114,9 +114,7 @@ class DDPIndividualParameters(DataParallelWrapper):
         elif not grad.is_contiguous():
             grad = grad.contiguous()
             p.grad = grad
-        if self.world_size > 1:
-            grad.div_(self.world_size)  # pre-divide: the sum is then the average
-        self._handles.append(dist.all_reduce(grad, group=self.process_group, async_op=True))
+        self._handles.append(self._averager.start(grad))
 
     def _before_forward(self) -> None:
         if self._backward_seen and torch.is_grad_enabled():

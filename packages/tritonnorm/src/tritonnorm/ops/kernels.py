@@ -308,18 +308,26 @@ def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_
     if not DIRECT_LAUNCH:
         kernel[grid](*args, *consts, num_warps=num_warps)
         return
-    key = (kernel, torch.cuda.current_device(), num_warps, consts, *map(_arg_key, args))
+    # Host time is the whole cost of a small launch, so the hot path avoids what is slow
+    # there: hashing the JITFunction (id() instead: kernels are module globals that live
+    # as long as the process), torch.cuda.current_device() and Triton's own stream lookup
+    # (the first tensor's device and the raw current stream, which is what Triton reads).
+    device = args[0].get_device()
+    key = (id(kernel), device, num_warps, consts, *map(_arg_key, args))
     compiled = _COMPILED.get(key)
     if compiled is not None:
         try:
-            compiled[grid](*args, *consts)
+            compiled[grid](*args, *consts, stream=_current_stream(device))
             return
         except (TypeError, SystemError):  # pragma: no cover - a launcher of another shape
             DIRECT_LAUNCH = False
             _COMPILED.clear()
             kernel[grid](*args, *consts, num_warps=num_warps)
             return
-    compiled = kernel[grid](*args, *consts, num_warps=num_warps)
+    # The first launch goes through the JIT, on the tensors' device (the compiled kernel is
+    # loaded there, and the direct path above launches it on that device's stream).
+    with torch.cuda.device(device):
+        compiled = kernel[grid](*args, *consts, num_warps=num_warps)
     if compiled is None or not hasattr(compiled, "function"):
         DIRECT_LAUNCH = False  # not the Triton we know: always go through the JIT
         return
@@ -329,6 +337,13 @@ def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_
 
 
 # --------------------------------------------------------------------------- launch helpers
+
+
+def _current_stream(device_index: int) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream  # pragma: no cover
 
 
 @functools.cache
