@@ -63,6 +63,14 @@ def test_ddp_suite(tmp_path, capsys):
     assert (tmp_path / "ddp" / "ddp-bucket-sweep.png").exists()
 
 
+def test_ddp_suite_bfloat16_wire_variants(tmp_path, capsys):
+    records = run_suite(tmp_path, capsys, "ddp", "--variants", "bucketed_bf16,torch_bf16",
+                        "--bucket-mb", "0.01", "--steps", "1")
+    by_variant = {r["config"]["variant"]: r["metrics"] for r in records}
+    assert set(by_variant) == {"bucketed_bf16:0.01", "torch_bf16"}
+    assert by_variant["bucketed_bf16:0.01"]["step_ms"] > 0
+
+
 def test_zero_suite(tmp_path, capsys):
     records = run_suite(tmp_path, capsys, "zero", "--steps", "1")
     by_variant = {r["config"]["variant"]: r["metrics"] for r in records}

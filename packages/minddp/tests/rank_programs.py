@@ -241,3 +241,32 @@ def averaging_rank(rank: int, world_size: int, seed: int) -> dict:
         averager.start(t).wait()
         out[str(dtype)] = t.double()
     return out
+
+
+# ---- DDPBucketed(reduce_dtype=...) ----
+REDUCE_KINDS = ("mlp", "tied", "transformer")
+
+
+def one_step_gradients(kind: str, model: torch.nn.Module, runner, sync, rank: int,
+                       world_size: int, split: list[int], seed: int) -> dict:
+    """Gradients (or None) after one backward on this rank's slice and ``sync()``."""
+    x, y = kit.make_batches(kind, seed, 1, sum(split))[0]
+    start, end = kit.split_bounds(split)[rank]
+    loss = kit.summed_loss(kind, runner(x[start:end]), y[start:end]) * (world_size / sum(split))
+    loss.backward()
+    sync()
+    return {n: (None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters()}
+
+
+def reduce_dtype_rank(rank: int, world_size: int, split: list[int], seed: int,
+                      dtype_name: str) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for kind in REDUCE_KINDS:
+        model = kit.build_model(kind, seed + 1000 * rank)
+        ddp = DDPBucketed(model, kit.few_buckets_mb(model),
+                          reduce_dtype=getattr(torch, dtype_name))
+        out[kind] = one_step_gradients(kind, model, ddp, ddp.finish_gradient_synchronization,
+                                       rank, world_size, split, seed)
+    return out

@@ -11,6 +11,9 @@ Variants:
     individual  ``DDPIndividualParameters``: an async all-reduce per gradient as it is ready.
     bucketed:MB ``DDPBucketed(bucket_size_mb=MB)``: async all-reduce per bucket.
     torch       ``torch.nn.parallel.DistributedDataParallel`` (its default 25 MB buckets).
+    bucketed_bf16:MB  ``DDPBucketed(bucket_size_mb=MB, reduce_dtype=torch.bfloat16)``:
+                gradients travel and are averaged in bfloat16.
+    torch_bf16  PyTorch DDP with its ``bf16_compress_hook`` (the same idea, PyTorch's way).
 
 Exposed communication, two ways (both reported):
     sync wait   time from the end of ``loss.backward()`` to the end of the synchronisation
@@ -58,14 +61,17 @@ HELP = ("DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: st
         "exposed communication, N ranks in one run")
 DEFAULT_BUCKETS = [1.0, 5.0, 25.0, 100.0]
 SWEEP_BUCKETS = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0]
-KINDS = ("local", "naive", "flat", "individual", "bucketed", "torch")
+KINDS = ("local", "naive", "flat", "individual", "bucketed", "torch", "bucketed_bf16",
+         "torch_bf16")
+BUCKETED_KINDS = ("bucketed", "bucketed_bf16")  # run once per bucket size
+DEFAULT_KINDS = KINDS[:6]  # the bfloat16-wire variants run when asked for
 COLUMNS = ["preset", "variant", "step_ms", "step_std_ms", "ratio_to_torch", "backward_ms",
            "sync_wait_ms", "sync_wait_share", "overhead_vs_local_ms", "exposed_share_vs_local"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rank_arguments(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(KINDS),
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(DEFAULT_KINDS),
                         help=f"comma-separated, from {', '.join(KINDS)} (bucketed runs once "
                              "per bucket size)")
     parser.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",")],
@@ -90,8 +96,8 @@ def variant_names(args: argparse.Namespace) -> list[str]:
         raise SystemExit("lab2-train bench ddp: bucket sizes must be > 0")
     names: list[str] = []
     for kind in args.variants:
-        if kind == "bucketed":
-            names.extend(f"bucketed:{b:g}" for b in buckets)
+        if kind in BUCKETED_KINDS:
+            names.extend(f"{kind}:{b:g}" for b in buckets)
         else:
             names.append(kind)
     return names
@@ -140,7 +146,7 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
         overlap = [r["overlap"].get(name) for r in per_rank if r.get("overlap")]
         overlap = [o for o in overlap if o is not None]
         conf = {"preset": preset, "params_M": params / 1e6, "variant": name,
-                "bucket_mb": float(name.split(":")[1]) if name.startswith("bucketed:") else None,
+                "bucket_mb": float(name.split(":")[1]) if ":" in name else None,
                 "world_size": args.world_size, "device": args.device,
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
@@ -176,18 +182,24 @@ def build_variant(name: str, base: nn.Module, device: torch.device, spec: RankSp
         wrapper = DDPIndividualParameters(model)
         return Variant(model, wrapper, make_optimizer(model),
                        sync=wrapper.finish_gradient_synchronization)
-    if name.startswith("bucketed:"):
+    kind, _, mb = name.partition(":")
+    if kind in BUCKETED_KINDS and mb:
         from minddp import DDPBucketed
 
-        wrapper = DDPBucketed(model, bucket_size_mb=float(name.split(":")[1]))
+        wrapper = DDPBucketed(model, bucket_size_mb=float(mb),
+                              reduce_dtype=torch.bfloat16 if kind == "bucketed_bf16" else None)
         return Variant(model, wrapper, make_optimizer(model),
                        sync=wrapper.finish_gradient_synchronization)
-    if name == "torch":
+    if name in ("torch", "torch_bf16"):
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
         wrapper = DistributedDataParallel(model, device_ids=ids,
                                           bucket_cap_mb=spec.extra["torch_bucket_mb"])
+        if name == "torch_bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            wrapper.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return Variant(model, wrapper, make_optimizer(model))
     raise ValueError(f"unknown ddp variant {name!r}")
 
