@@ -208,7 +208,7 @@ class DDPBucketed(DataParallelWrapper):
     @torch.no_grad()
     def _launch(self, b: int, *, all_used: bool) -> None:
         bucket = self._buckets[b]
-        self._attach_views(bucket)  # cheap when forward already did it
+        self._attach_views(bucket)  # members whose hook fired are views already
         if all_used:
             bucket.flags.fill_(1)
         else:
