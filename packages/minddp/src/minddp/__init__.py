@@ -10,6 +10,7 @@ Four ways to average gradients across ranks, in order of speed:
 """
 
 from minddp.allreduce import all_reduce_gradients
+from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
 from minddp.bucket_plan import TensorInfo, assign_buckets
 from minddp.bucketed import DDPBucketed
@@ -17,9 +18,10 @@ from minddp.individual import DDPIndividualParameters
 from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
 from minddp.stats import SyncStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "Averager",
     "DDPBucketed",
     "DDPIndividualParameters",
     "ModelMismatchError",
