@@ -194,8 +194,13 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
 def train_distributed(
     kind: str, variant: str, rank: int, world_size: int, split: list[int], steps: int,
     seed: int, model_kwargs: dict | None = None, bucket_size_mb: float | None = None,
+    set_to_none: bool = True,
 ) -> dict[str, Any]:
-    """Train on this rank's slice of each global batch; rank r starts from its own init."""
+    """Train on this rank's slice of each global batch; rank r starts from its own init.
+
+    ``set_to_none=False`` zeroes gradients in place between steps instead of dropping them
+    (for the bucketed wrapper: autograd then accumulates into the bucket views).
+    """
     model_kwargs = model_kwargs or {}
     model = build_model(kind, seed + 1000 * rank, **model_kwargs)  # broadcast must fix it
     runner, sync = wrap(variant, model, bucket_size_mb)
@@ -204,7 +209,7 @@ def train_distributed(
     start, end = split_bounds(split)[rank]
     scale = world_size / sum(split)  # averaging over ranks then gives the global mean
     for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss = summed_loss(kind, runner(x[start:end]), y[start:end]) * scale
         loss.backward()
         sync()

@@ -39,6 +39,19 @@ def parity_rank(rank: int, world_size: int, split: list[int]) -> dict:
 
 
 
+def zeroed_gradients_rank(rank: int, world_size: int, split: list[int]) -> dict:
+    """The overlapping wrappers with ``zero_grad(set_to_none=False)`` between steps."""
+    torch.set_num_threads(1)
+    return {
+        (kind, variant): kit.train_distributed(
+            kind, variant, rank, world_size, split, PARITY_STEPS, PARITY_SEED,
+            set_to_none=False,
+        )
+        for kind in PARITY_KINDS
+        for variant in ("individual", "bucketed_few")
+    }
+
+
 # ---- rank-dependent branches and no_sync ----
 BRANCH_STEPS = 3
 BRANCH_BATCH = 12

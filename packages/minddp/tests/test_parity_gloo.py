@@ -28,6 +28,17 @@ def test_every_variant_and_model_matches_single_process_training(world_size):
             kit.assert_matches(got, _reference(kind), f"{kind}/{variant} rank {rank}/{world_size}")
 
 
+def test_gradients_zeroed_in_place_between_steps_match_too(world_size):
+    # zero_grad(set_to_none=False): autograd accumulates into the existing .grad tensors
+    # (the bucket views) instead of handing the hooks fresh ones.
+    split = [programs.PARITY_BATCH // world_size] * world_size
+    results = run_ranks(programs.zeroed_gradients_rank, world_size, split, timeout=120)
+    for rank, per_rank in enumerate(results):
+        for (kind, variant), got in per_rank.items():
+            kit.assert_matches(got, _reference(kind), f"{kind}/{variant} zeroed in place, "
+                                                      f"rank {rank}/{world_size}")
+
+
 def test_reference_training_moves_every_trainable_parameter():
     # Guards the oracle: parity would be vacuous if training changed nothing.
     for kind in programs.PARITY_KINDS:
