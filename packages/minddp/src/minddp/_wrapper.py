@@ -1,8 +1,10 @@
-"""What both overlapping wrappers share: construction checks, forward, no_sync, hooks."""
+"""What both overlapping wrappers share: construction checks, forward, no_sync, hooks,
+and the per-step bookkeeping around their collectives."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +16,7 @@ from torch import nn
 from minddp._group import group_size, require_initialized
 from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
+from minddp.launch_order import agree_on_order
 from minddp.model_check import check_model_consistency
 from minddp.stats import SyncStats
 
@@ -21,9 +24,11 @@ from minddp.stats import SyncStats
 class DataParallelWrapper(nn.Module):
     """Base class: holds ``.module``, syncs it at construction, owns the hook plumbing.
 
-    Subclasses implement ``_on_grad_ready(index)`` (called by each parameter's
-    post-accumulate-grad hook), ``_before_forward()`` and
-    ``finish_gradient_synchronization()``.
+    Subclasses set ``self._params`` (the trainable parameters, in registration order),
+    implement ``_on_grad_ready(index)`` (called by each parameter's post-accumulate-grad
+    hook; it starts with ``_note_gradient``), ``_learn_order(order)`` and
+    ``finish_gradient_synchronization()`` (which ends with ``_end_synchronization``),
+    and may extend ``_reset_step_state()``.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
@@ -41,6 +46,8 @@ class DataParallelWrapper(nn.Module):
         self._sync_enabled = True
         self._hook_handles: list[Any] = []
         self.last_sync_stats = SyncStats()
+        self._order_learned = False
+        self._observed: list[int] = []  # first-gradient arrival order, until learned
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
         # The hook holds the wrapper weakly: a discarded wrapper must not keep
@@ -64,11 +71,68 @@ class DataParallelWrapper(nn.Module):
     def _on_grad_ready(self, index: int) -> None:
         raise NotImplementedError
 
-    def _before_forward(self) -> None:
-        """Hook for subclasses, run before every forward."""
+    def _learn_order(self, order: list[int]) -> None:
+        """Adopt ``order`` (agreed by every rank) as the gradient arrival order."""
+        raise NotImplementedError
 
     def finish_gradient_synchronization(self) -> None:
         raise NotImplementedError
+
+    def _reset_step_state(self) -> None:
+        count = len(self._params)
+        self._used = [False] * count  # a hook fired since the last synchronization
+        self._ready = [False] * count  # a hook fired in the current synchronized backward
+        self._zero_filled = [False] * count  # grad was None; zeros were reduced instead
+        self._handles: list[dist.Work] = []
+        self._next = 0  # collectives [0, _next) of the fixed order are launched
+        self._launched_in_backward = 0
+        self._backward_seen = False
+
+    def _before_forward(self) -> None:
+        """Refuse a forward between a synchronized backward and its finish call."""
+        if self._backward_seen and torch.is_grad_enabled():
+            raise self._unfinished_error()
+
+    def _note_gradient(self, index: int) -> bool:
+        """A hook's common first step; True when the running backward is synchronized."""
+        if not self._used[index]:
+            self._used[index] = True
+            if not self._order_learned:
+                self._observed.append(index)
+        if not self._sync_enabled:
+            return False
+        self._backward_seen = True
+        return True
+
+    def _wait_for_handles(self) -> float:
+        """Wait for every launched collective; the seconds spent blocked."""
+        start = time.perf_counter()
+        for handle in self._handles:
+            handle.wait()
+        return time.perf_counter() - start
+
+    def _end_synchronization(self, start: float, wait: float, launched: int) -> None:
+        """Learn the launch order (after the first step), reset, record ``last_sync_stats``.
+
+        Args:
+            start: ``time.perf_counter()`` when the finish call began.
+            wait: seconds it spent blocked on collectives.
+            launched: collectives this step launched in all.
+        """
+        launched_in_backward = self._launched_in_backward
+        if not self._order_learned:  # once, after the first synchronized step
+            self._learn_order(
+                agree_on_order(self._observed, len(self._params), self.process_group)
+            )
+            self._order_learned = True
+            self._observed = []
+        self._reset_step_state()
+        self.last_sync_stats = SyncStats(
+            finish_seconds=time.perf_counter() - start,
+            wait_seconds=wait,
+            launched_in_backward=launched_in_backward,
+            launched_in_finish=launched - launched_in_backward,
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward with every argument unchanged."""

@@ -12,8 +12,6 @@ from torch import nn
 from minddp._group import trainable_parameters
 from minddp._wrapper import DataParallelWrapper
 from minddp.bucket_plan import TensorInfo, assign_buckets, validate_bucket_size_mb
-from minddp.launch_order import agree_on_order
-from minddp.stats import SyncStats
 
 
 @dataclass
@@ -104,8 +102,6 @@ class DDPBucketed(DataParallelWrapper):
         ]
         self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
         self._build_buckets(assign_buckets(self._infos, self.bucket_size_mb))
-        self._order_learned = False
-        self._observed: list[int] = []  # first-gradient arrival order, until learned
         self._register_grad_hooks(self._params)
         self._reset_step_state()
 
@@ -139,22 +135,15 @@ class DDPBucketed(DataParallelWrapper):
         return _Bucket(members=members, buffer=buffer, flags=buffer[numel:], wire=wire)
 
     def _reset_step_state(self) -> None:
-        count = len(self._params)
-        self._used = [False] * count  # a hook fired since the last synchronization
-        self._ready = [False] * count  # a hook fired in the current synchronized backward
-        self._zero_filled = [False] * count  # grad was None; its view was zeroed instead
+        super()._reset_step_state()  # here _next counts launched buckets
         self._remaining = [len(bucket.members) for bucket in self._buckets]
-        self._handles: list[dist.Work] = []
-        self._next = 0  # buckets [0, _next) are launched
-        self._launched_in_backward = 0
-        self._backward_seen = False
 
     @torch.no_grad()
     def _attach_views(self, bucket: _Bucket) -> None:
         """Make every member's ``.grad`` its bucket view, keeping what it holds."""
         params, views = self._params, self._views
         missing = [params[i].grad is None for i in bucket.members]
-        if all(missing):  # after zero_grad(set_to_none=True): one fill for the bucket
+        if all(missing):  # no member has a gradient: one fill for the bucket
             bucket.buffer.zero_()
         for index, is_missing in zip(bucket.members, missing):
             p, view = params[index], views[index]
@@ -169,25 +158,14 @@ class DDPBucketed(DataParallelWrapper):
                 view.copy_(grad)  # someone replaced .grad: adopt its values
             p.grad = view
 
-    def _before_forward(self) -> None:
-        if not torch.is_grad_enabled():
-            return
-        if self._backward_seen:
-            raise self._unfinished_error()
-
     def _on_grad_ready(self, index: int) -> None:
         p, view = self._params[index], self._views[index]
         if p.grad is not view:  # a fresh (or user-assigned) gradient: move it into the bucket
             with torch.no_grad():
                 view.copy_(p.grad)
             p.grad = view
-        if not self._used[index]:
-            self._used[index] = True
-            if not self._order_learned:
-                self._observed.append(index)
-        if not self._sync_enabled:
+        if not self._note_gradient(index):
             return
-        self._backward_seen = True
         b = self._bucket_of[index]
         if b < self._next:
             raise RuntimeError(
@@ -207,8 +185,8 @@ class DDPBucketed(DataParallelWrapper):
 
     @torch.no_grad()
     def _launch(self, b: int, *, all_used: bool) -> None:
+        """Start bucket ``b``'s averaging; every member's ``.grad`` is its view already."""
         bucket = self._buckets[b]
-        self._attach_views(bucket)  # members whose hook fired are views already
         if all_used:
             bucket.flags.fill_(1)
         else:
@@ -220,11 +198,8 @@ class DDPBucketed(DataParallelWrapper):
             bucket.wire.copy_(bucket.buffer)
             self._handles.append(self._averager.start(bucket.wire))
 
-    def _relearn_buckets(self) -> None:
+    def _learn_order(self, order: list[int]) -> None:
         """Rebuild the buckets along the gradient order rank 0 observed (once)."""
-        order = agree_on_order(self._observed, len(self._params), self.process_group)
-        self._order_learned = True
-        self._observed = []
         plan = assign_buckets(self._infos, self.bucket_size_mb, order)
         if plan != self._plan:  # same on every rank: all ranks agreed on ``order``
             self._build_buckets(plan)
@@ -242,15 +217,15 @@ class DDPBucketed(DataParallelWrapper):
         start = time.perf_counter()
         partly_used = []
         for b in range(self._next, len(self._buckets)):
-            members = self._buckets[b].members
-            all_used = all(self._used[i] for i in members)
+            bucket = self._buckets[b]
+            # A member may have no gradient this step, or one the user assigned since
+            # its hook ran (between no_sync backwards): give each its view.
+            self._attach_views(bucket)
+            all_used = all(self._used[i] for i in bucket.members)
             self._launch(b, all_used=all_used)
             if not all_used:
                 partly_used.append(b)
-        wait_start = time.perf_counter()
-        for handle in self._handles:
-            handle.wait()
-        wait = time.perf_counter() - wait_start
+        wait = self._wait_for_handles()
         for bucket in self._buckets:
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
@@ -260,13 +235,4 @@ class DDPBucketed(DataParallelWrapper):
             for index, used_somewhere in zip(bucket.members, bucket.flags.tolist()):
                 if self._zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
-        launched_in_backward = self._launched_in_backward
-        if not self._order_learned:  # once, after the first synchronized step
-            self._relearn_buckets()
-        self._reset_step_state()
-        self.last_sync_stats = SyncStats(
-            finish_seconds=time.perf_counter() - start,
-            wait_seconds=wait,
-            launched_in_backward=launched_in_backward,
-            launched_in_finish=len(self._buckets) - launched_in_backward,
-        )
+        self._end_synchronization(start, wait, launched=len(self._buckets))

@@ -10,8 +10,6 @@ from torch import nn
 
 from minddp._group import trainable_parameters
 from minddp._wrapper import DataParallelWrapper
-from minddp.launch_order import agree_on_order
-from minddp.stats import SyncStats
 
 
 class DDPIndividualParameters(DataParallelWrapper):
@@ -57,37 +55,19 @@ class DDPIndividualParameters(DataParallelWrapper):
         named = trainable_parameters(module)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        count = len(self._params)
-        self._set_order(list(reversed(range(count))))
-        self._order_learned = False
-        self._observed: list[int] = []  # first-gradient arrival order, until learned
+        self._learn_order(list(reversed(range(len(self._params)))))
         self._register_grad_hooks(self._params)
         self._reset_step_state()
 
-    def _set_order(self, order: list[int]) -> None:
+    def _learn_order(self, order: list[int]) -> None:
         self._order = order  # the fixed launch order, the same on every rank
         self._position = [0] * len(order)
         for position, index in enumerate(order):
             self._position[index] = position
 
-    def _reset_step_state(self) -> None:
-        count = len(self._params)
-        self._used = [False] * count  # a hook fired since the last synchronization
-        self._ready = [False] * count  # a hook fired in the current synchronized backward
-        self._zero_filled = [False] * count  # grad was None, we reduced zeros instead
-        self._handles: list[dist.Work] = []
-        self._next = 0  # positions [0, _next) of the fixed order are launched
-        self._launched_in_backward = 0
-        self._backward_seen = False
-
     def _on_grad_ready(self, index: int) -> None:
-        if not self._used[index]:
-            self._used[index] = True
-            if not self._order_learned:
-                self._observed.append(index)
-        if not self._sync_enabled:
+        if not self._note_gradient(index):
             return
-        self._backward_seen = True
         if self._position[index] < self._next:
             raise RuntimeError(
                 f"DDPIndividualParameters: parameter {self._names[index]!r} received a "
@@ -116,10 +96,6 @@ class DDPIndividualParameters(DataParallelWrapper):
             p.grad = grad
         self._handles.append(self._averager.start(grad))
 
-    def _before_forward(self) -> None:
-        if self._backward_seen and torch.is_grad_enabled():
-            raise self._unfinished_error()
-
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient all-reduce; leave averaged gradients in ``.grad``.
@@ -138,23 +114,9 @@ class DDPIndividualParameters(DataParallelWrapper):
         if self._params:
             flags = torch.tensor(self._used, dtype=torch.float32, device=self._params[0].device)
             self._handles.append(dist.all_reduce(flags, group=self.process_group, async_op=True))
-        wait_start = time.perf_counter()
-        for handle in self._handles:
-            handle.wait()
-        wait = time.perf_counter() - wait_start
+        wait = self._wait_for_handles()
         if flags is not None and any(self._zero_filled):
             for index, used_somewhere in enumerate(flags.tolist()):
                 if self._zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
-        launched_in_backward = self._launched_in_backward
-        if not self._order_learned:  # once, after the first synchronized step
-            self._set_order(agree_on_order(self._observed, len(self._params), self.process_group))
-            self._order_learned = True
-            self._observed = []
-        self._reset_step_state()
-        self.last_sync_stats = SyncStats(
-            finish_seconds=time.perf_counter() - start,
-            wait_seconds=wait,
-            launched_in_backward=launched_in_backward,
-            launched_in_finish=len(self._order) - launched_in_backward,
-        )
+        self._end_synchronization(start, wait, launched=len(self._order))
