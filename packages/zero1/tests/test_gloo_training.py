@@ -323,17 +323,9 @@ def checkpoint_save_rank(rank: int, world_size: int, path: str) -> dict:
     ckpt = torch.load(path, weights_only=False)
 
     # Same world size: a fresh optimizer loads it and carries on like the plain one.
-    model2, ref2 = _model(0), _model(0)
-    model2.load_state_dict(ckpt["model"])
-    ref2.load_state_dict(ckpt["ref_model"])
-    opt2 = ShardedOptimizer(_two_groups(model2), torch.optim.AdamW, **kwargs)
-    opt2.load_state_dict(copy.deepcopy(ckpt["optim"]))
-    plain2 = torch.optim.AdamW(_two_groups(ref2), **kwargs)
-    plain2.load_state_dict(copy.deepcopy(ckpt["ref_optim"]))
-    opt2.consolidate_state_dict(to=0)
+    model2, opt2, ref2, round_trip = _resume_and_train(ckpt, kwargs, rank, world_size)
     if rank == 0:
-        out["round_trip_exact"] = _state_dicts_close(opt2.state_dict(), ckpt["optim"], exact=True)
-    _train_steps(model2, opt2, ref2, plain2, 5, 5, rank, world_size)
+        out["round_trip_exact"] = round_trip
     out["stale_error"] = _error_of(opt2.state_dict)
     out["same_ws_err"] = _max_rel_err(model2, ref2)
     out["params"] = _flat(model2)
@@ -362,10 +354,14 @@ def checkpoint_save_rank(rank: int, world_size: int, path: str) -> dict:
     return out
 
 
-def checkpoint_load_rank(rank: int, world_size: int, path: str) -> dict:
-    """Load a checkpoint saved at another world size; it must carry on like the plain one."""
-    kwargs = {"lr": 1e-2, "weight_decay": 0.05}
-    ckpt = torch.load(path, weights_only=False)
+def _resume_and_train(ckpt: dict, kwargs: dict, rank: int, world_size: int) -> tuple:
+    """Load ``ckpt`` into a fresh ShardedOptimizer and, beside it, a plain AdamW; train both
+    5 more steps.
+
+    Returns:
+        (model, sharded optimizer, reference model, whether the consolidated state equals
+        the checkpoint's exactly: on rank 0, else None).
+    """
     model, ref = _model(0), _model(0)
     model.load_state_dict(ckpt["model"])
     ref.load_state_dict(ckpt["ref_model"])
@@ -374,10 +370,21 @@ def checkpoint_load_rank(rank: int, world_size: int, path: str) -> dict:
     plain = torch.optim.AdamW(_two_groups(ref), **kwargs)
     plain.load_state_dict(copy.deepcopy(ckpt["ref_optim"]))
     opt.consolidate_state_dict(to=0)
+    round_trip = None
+    if rank == 0:
+        round_trip = _state_dicts_close(opt.state_dict(), ckpt["optim"], exact=True)
+    _train_steps(model, opt, ref, plain, 5, 5, rank, world_size)
+    return model, opt, ref, round_trip
+
+
+def checkpoint_load_rank(rank: int, world_size: int, path: str) -> dict:
+    """Load a checkpoint saved at another world size; it must carry on like the plain one."""
+    kwargs = {"lr": 1e-2, "weight_decay": 0.05}
+    ckpt = torch.load(path, weights_only=False)
+    model, _opt, ref, round_trip = _resume_and_train(ckpt, kwargs, rank, world_size)
     out: dict = {}
     if rank == 0:
-        out["round_trip_exact"] = _state_dicts_close(opt.state_dict(), ckpt["optim"], exact=True)
-    _train_steps(model, opt, ref, plain, 5, 5, rank, world_size)
+        out["round_trip_exact"] = round_trip
     out["err"] = _max_rel_err(model, ref)
     out["params"] = _flat(model)
     return out
