@@ -351,14 +351,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, per_sm: int) -> int:
-    """Programs in a persistent grid: ``per_sm`` per SM on CUDA, a few on the interpreter."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return per_sm * _sm_count(index)
-    return 3  # the interpreter runs programs one by one; 3 still exercises the partial sums
-
-
 def _cdiv(a: int, b: int) -> int:
     # Plain integer arithmetic: in recent Triton, triton.cdiv is a constexpr_function whose
     # host-side call costs microseconds, which the hot path pays several times per step.
@@ -471,10 +463,12 @@ def _bwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
 
 
 def _n_programs(x: torch.Tensor, per_sm: int) -> int:
-    if x.is_cuda:
-        index = x.device.index
-        return per_sm * _sm_count(torch.cuda.current_device() if index is None else index)
-    return 3
+    """Programs in a persistent grid: ``per_sm`` per SM of x's GPU, 3 on the interpreter.
+
+    The interpreter runs programs one by one; 3 still exercises the partial sums.
+    """
+    index = x.get_device()  # -1 for a CPU tensor
+    return per_sm * _sm_count(index) if index >= 0 else 3
 
 
 def rms_norm_fwd(
