@@ -38,8 +38,10 @@ QUICK_HIDDEN = (128, 512)
 #: Forward-output error tolerated before a row is flagged (norm-relative, vs float64).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
 CHECK_ROWS = 1024  # rows compared to the float64 reference (the op is row-wise)
+#: ``--timing`` choices; "both" measures eager and graph, one row each.
+TIMINGS = ("eager", "graph", "both")
 
-COLUMNS = ["dtype", "H", "rows", "impl", "fwd_ms", "fwd_gbps", "fwd_pct", "fwdbwd_ms",
+COLUMNS = ["dtype", "H", "rows", "impl", "timing", "fwd_ms", "fwd_gbps", "fwd_pct", "fwdbwd_ms",
            "fwdbwd_gbps", "fwdbwd_pct", "fwd_vs_best", "fwdbwd_vs_best", "rel_err"]
 HEADERS = {"fwd_ms": "fwd ms", "fwd_gbps": "fwd GB/s", "fwd_pct": "fwd %",
            "fwdbwd_ms": "fwd+bwd ms", "fwdbwd_gbps": "fwd+bwd GB/s", "fwdbwd_pct": "fwd+bwd %",
@@ -84,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls; the median is reported (default 30)")
     parser.add_argument("--flush-l2", action=argparse.BooleanOptionalAction, default=None,
                         help="flush the L2 cache before each timed call (default: on CUDA)")
+    parser.add_argument("--timing", choices=TIMINGS, default=None,
+                        help="eager: CUDA events around Python calls queued back to back "
+                             "(host overhead shows where it exceeds the device time); graph: "
+                             "replays of a CUDA graph of one call (device time only); both "
+                             "(default on CUDA; eager on the CPU)")
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -120,8 +127,8 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _measure_impl(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                   device: torch.device, warmup: int, repeats: int,
-                  flush_l2: bool) -> dict[str, Any]:
-    """Check one implementation against float64, then time fwd and fwd+bwd."""
+                  flush_l2: bool, timings: list[str]) -> dict[str, Any]:
+    """Check one implementation against float64, then time fwd and fwd+bwd each way."""
     impl = IMPLS[name]
     try:
         fn = impl.make(w, b)
@@ -140,34 +147,45 @@ def _measure_impl(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
     out: dict[str, Any] = {"status": "ok", "note": "", "rel_err": _rel_err(y, ref)}
     del y, ref
 
+    xg = x.detach().requires_grad_(True)
+    params = [p.requires_grad_(True) for p in (w, b)]
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return fn(x)
+
+    def forward_backward_step() -> torch.Tensor:
+        # Fresh gradients each call: accumulating into old ones would add a
+        # read-modify-write of dx to every timed call.
+        xg.grad = None
+        for p in params:
+            p.grad = None
+        return fn(xg)
+
+    out["timings"] = {}
     try:
-        def forward() -> torch.Tensor:
-            with torch.no_grad():
-                return fn(x)
-
-        fwd = measure(forward, warmup=warmup, repeats=repeats, device=device, flush_l2=flush_l2)
-
-        xg = x.detach().requires_grad_(True)
-        params = [p.requires_grad_(True) for p in (w, b)]
-
-        def forward_backward_step() -> torch.Tensor:
-            # Fresh gradients each call: accumulating into old ones would add a
-            # read-modify-write of dx to every timed call.
-            xg.grad = None
-            for p in params:
-                p.grad = None
-            return fn(xg)
-
-        fwdbwd = measure(forward_backward_step, warmup=warmup, repeats=repeats, device=device,
-                         flush_l2=flush_l2, backward=True)
-    except Exception as err:
-        return {"status": "failed", "note": f"raised {type(err).__name__}: {_short(err)}"}
+        for timing in timings:
+            graph = timing == "graph"
+            try:
+                fwd = measure(forward, warmup=warmup, repeats=repeats, device=device,
+                              flush_l2=flush_l2, cuda_graph=graph)
+                fwdbwd = measure(forward_backward_step, warmup=warmup, repeats=repeats,
+                                 device=device, flush_l2=flush_l2, backward=True,
+                                 cuda_graph=graph)
+            except Exception as err:
+                what = "could not be captured in a CUDA graph" if graph else "failed"
+                out["timings"][timing] = {
+                    "status": "skipped" if graph else "failed",
+                    "note": f"{what}: raised {type(err).__name__}: {_short(err)}"}
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                continue
+            out["timings"][timing] = {"status": "ok", "fwd": fwd, "fwdbwd": fwdbwd}
     finally:
+        xg.grad = None
         for p in (w, b):
             p.requires_grad_(False)
             p.grad = None
-    out["fwd"] = fwd
-    out["fwdbwd"] = fwdbwd
     return out
 
 
@@ -181,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
     flush_l2 = args.flush_l2 if args.flush_l2 is not None else device.type == "cuda"
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     repeats = args.repeats or (3 if args.quick else 30)
+    timing = args.timing or ("both" if device.type == "cuda" else "eager")
+    if timing != "eager" and device.type != "cuda":
+        raise SystemExit("lab2bench norm: --timing graph/both needs a CUDA device")
+    timings = ["eager", "graph"] if timing == "both" else [timing]
     if warmup < 0:
         raise SystemExit("lab2bench norm: --warmup must be >= 0")
     configs = _configs(args)
@@ -213,33 +235,40 @@ def run(args: argparse.Namespace) -> int:
         fwdbwd_bytes = 5 * nrows * hidden * itemsize
         cell_rows = []
         for name in impl_names:
-            result = _measure_impl(name, x, w, b, device, warmup, repeats, flush_l2)
-            row: dict[str, Any] = {"dtype": dtype_name, "H": hidden, "rows": nrows, "impl": name,
-                                   "status": result["status"], "note": result["note"]}
-            if result["status"] != "ok":
-                notes.append(f"{name} at {dtype_name} H={hidden} rows={nrows}: "
-                             f"{result['status']}: {result['note']}")
-            else:
-                fwd, fwdbwd = result["fwd"], result["fwdbwd"]
-                row.update({
-                    "fwd_ms": fwd.median_ms,
-                    "fwd_gbps": fwd_bytes / fwd.median / 1e9,
-                    "fwd_pct": 100 * fwd_bytes / fwd.median / copy_bps,
-                    "fwdbwd_ms": fwdbwd.median_ms,
-                    "fwdbwd_gbps": fwdbwd_bytes / fwdbwd.median / 1e9,
-                    "fwdbwd_pct": 100 * fwdbwd_bytes / fwdbwd.median / copy_bps,
-                    "rel_err": result["rel_err"],
-                })
+            result = _measure_impl(name, x, w, b, device, warmup, repeats, flush_l2, timings)
+            # An impl that could not run at all gets one row, whatever the timings.
+            per_timing = result.get("timings") or {"/".join(timings): result}
+            for timing_name, timed in per_timing.items():
+                row: dict[str, Any] = {"dtype": dtype_name, "H": hidden, "rows": nrows,
+                                       "impl": name, "timing": timing_name,
+                                       "status": timed["status"], "note": timed["note"]
+                                       if timed["status"] != "ok" else ""}
+                if timed["status"] != "ok":
+                    notes.append(f"{name} ({timing_name}) at {dtype_name} H={hidden} "
+                                 f"rows={nrows}: {timed['status']}: {timed['note']}")
+                else:
+                    fwd, fwdbwd = timed["fwd"], timed["fwdbwd"]
+                    row.update({
+                        "fwd_ms": fwd.median_ms,
+                        "fwd_gbps": fwd_bytes / fwd.median / 1e9,
+                        "fwd_pct": 100 * fwd_bytes / fwd.median / copy_bps,
+                        "fwdbwd_ms": fwdbwd.median_ms,
+                        "fwdbwd_gbps": fwdbwd_bytes / fwdbwd.median / 1e9,
+                        "fwdbwd_pct": 100 * fwdbwd_bytes / fwdbwd.median / copy_bps,
+                        "rel_err": result["rel_err"],
+                    })
+                cell_rows.append((row, timed))
+            if result["status"] == "ok":
                 tol = TOLERANCE[dtype_name] * (1 if IMPLS[name].is_rms else 10)
                 if result["rel_err"] > tol:
                     notes.append(f"{name} at {dtype_name} H={hidden}: forward error "
                                  f"{result['rel_err']:.2e} exceeds {tol:.0e}")
-            cell_rows.append((row, result))
-        _add_ratios([r for r, _ in cell_rows])
+        for timing_name in timings:
+            _add_ratios([r for r, _ in cell_rows if r["timing"] == timing_name])
         for row, result in cell_rows:
             rows.append(row)
             if recorder is not None:
-                config = {k: row[k] for k in ("dtype", "H", "rows", "impl")}
+                config = {k: row[k] for k in ("dtype", "H", "rows", "impl", "timing")}
                 config.update(device=str(device), warmup=warmup, repeats=repeats,
                               flush_l2=flush_l2, fwd_bytes=fwd_bytes, fwdbwd_bytes=fwdbwd_bytes)
                 metrics = {k: v for k, v in row.items() if k not in config}
@@ -255,7 +284,10 @@ def run(args: argparse.Namespace) -> int:
     ok_rows = [r for r in rows if r["status"] == "ok"]
     preamble = [f"Device: {env_info(device)['device_name']} ({device}); copy bandwidth "
                 f"{copy_bps / 1e9:.1f} GB/s (read+write); median of {repeats} calls after "
-                f"{warmup} warm-up, L2 flush {'on' if flush_l2 else 'off'}.",
+                f"{warmup} warm-up, L2 flush {'on' if flush_l2 else 'off'}; timing "
+                f"{' and '.join(timings)} (eager: Python calls queued back to back, host "
+                f"overhead included where it exceeds the device time; graph: CUDA-graph "
+                f"replays of one call, device time only).",
                 "Minimum bytes: forward 2·N·H elements, forward+backward 5·N·H. "
                 "'×best alt' = fastest non-tritonnorm time / this time (>1: tritonnorm faster)."]
     table = markdown_table(ok_rows, COLUMNS, FLOATFMT, headers=HEADERS) if ok_rows else ""
@@ -270,12 +302,16 @@ def run(args: argparse.Namespace) -> int:
                               columns=COLUMNS, headers=HEADERS, floatfmt=FLOATFMT,
                               preamble=preamble, notes=notes)
         for dtype_name in dict.fromkeys(r["dtype"] for r in ok_rows):
-            subset = [r for r in ok_rows if r["dtype"] == dtype_name]
-            for key, what in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
-                plot_sweep(subset, x="H", y=f"{key}_pct", series="impl", logx=True,
-                           path=out / f"norm_{key}_{dtype_name}.png",
-                           title=f"RMSNorm {what}, {dtype_name}: share of copy bandwidth",
-                           ylabel="% of copy bandwidth")
+            for timing_name in timings:
+                subset = [r for r in ok_rows
+                          if r["dtype"] == dtype_name and r["timing"] == timing_name]
+                suffix = "" if timing_name == "eager" else f"_{timing_name}"
+                for key, what in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+                    plot_sweep(subset, x="H", y=f"{key}_pct", series="impl", logx=True,
+                               path=out / f"norm_{key}_{dtype_name}{suffix}.png",
+                               title=f"RMSNorm {what}, {dtype_name}, {timing_name} timing: "
+                                     "share of copy bandwidth",
+                               ylabel="% of copy bandwidth")
         print(f"wrote {out / 'norm.jsonl'}, {out / 'norm.md'} and plots", file=sys.stderr)
     return 1 if any(r["status"] == "failed" for r in rows) else 0
 
