@@ -435,6 +435,45 @@ def tune_large(bw):
         log("APPLY _FWD_TUNED[(2, 32768)] = (1, 32)")
 
 
+def tune_coop(bw):
+    """Cooperative long-row kernels: slice size and warps, against the two-pass kernels."""
+    shapes = [(torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 131072),
+              (torch.float32, 65536)]
+    grid = [(16384, 16), (8192, 16), (8192, 8), (16384, 8), (32768, 16), (32768, 32),
+            (4096, 8), (4096, 4)]
+    totals = {}
+    for dt, H in shapes:
+        x, w, dy = make(LARGE_ROWS, H, dt)
+        es = x.element_size()
+        _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
+        for kind, nbytes in (("fwd", 2 * x.numel() * es), ("bwd", 3 * x.numel() * es)):
+            cfgs = [{"looped": True, "coop": False}] + [
+                {"looped": True, "coop": True, "coop_block": b // es, "coop_warps": nw}
+                for b, nw in grid]
+            if kind == "fwd":
+                fn = lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
+            else:
+                fn = lambda cfg, x=x, w=w, dy=dy, r=rstd: kernels.rms_norm_bwd(  # noqa: E731
+                    dy, x, w, r, config=cfg)
+            for _p, ms, cfg in _sweep(f"coop {kind} {str(dt)[6:]} {LARGE_ROWS}x{H}", nbytes, fn,
+                                      cfgs, bw, top=5):
+                key = (kind, cfg.get("coop_block", 0) * es, cfg.get("coop_warps", 0))
+                totals.setdefault(key, []).append(ms / nbytes)
+    for kind, warps_attr in (("fwd", "COOP_FWD_WARPS"), ("bwd", "COOP_BWD_WARPS")):
+        # One setting for every long row: the least summed time per byte over the shapes.
+        timed = {k[1:]: sum(v) for k, v in totals.items() if k[0] == kind
+                 and len(v) == len(shapes) and k[1]}
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        log(f"COOP {kind}: best (block bytes, warps) {best}; two-pass / best = "
+            f"{sum(totals.get((kind, 0, 0), [float('nan')])) / timed[best]:.2f}")
+        if kind == "bwd":  # the two kernels share COOP_BLOCK_BYTES; the backward moves more
+            kernels.COOP_BLOCK_BYTES = best[0]
+        setattr(kernels, warps_attr, best[1])
+        log(f"APPLY COOP_BLOCK_BYTES={kernels.COOP_BLOCK_BYTES} {warps_attr}={best[1]}")
+
+
 def cell_numerics(x, w, dy):
     """Relative errors of tritonnorm's y, dx, dweight against float64 on a benchmark cell."""
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -491,7 +530,8 @@ def table(bw, baselines, large):
 
 def main():
     p = argparse.ArgumentParser()
-    for flag in ("check", "overhead", "tune", "tune_large", "table", "large", "baselines"):
+    for flag in ("check", "overhead", "tune", "tune_large", "tune_coop", "table", "large",
+                 "baselines"):
         p.add_argument("--" + flag.replace("_", "-"), action="store_true")
     p.add_argument("--budget-s", type=float, default=float("inf"))
     a = p.parse_args()
@@ -514,6 +554,9 @@ def main():
         log(f"[{time.time() - t0:.0f}s]")
     if a.tune_large:
         tune_large(bw)
+        log(f"[{time.time() - t0:.0f}s]")
+    if a.tune_coop:
+        tune_coop(bw)
         log(f"[{time.time() - t0:.0f}s]")
     if a.tune or a.tune_large:
         log("plans now: " + "; ".join(

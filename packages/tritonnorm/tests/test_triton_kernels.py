@@ -67,6 +67,47 @@ def test_looped_path(kernel_device, monkeypatch, dtype):
     _check(x, w, dy)
 
 
+def _check_kernels(x, w, dy, cfg, eps=1e-5):
+    """rms_norm_fwd/bwd with a launch config, every gradient combination, vs float64."""
+    k = _kernels()
+    y_ref, dx_ref, dw_ref = reference_grads(x, w, dy, eps)
+    y, rstd = k.rms_norm_fwd(x, w, eps, config=cfg)
+    assert rel_err(y, y_ref) < TOL[x.dtype]
+    scale = dx_scale(x, w, dy, eps)
+    dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
+    assert rel_err(dx, dx_ref, scale) < TOL[x.dtype]
+    assert rel_err(dw, dw_ref) < TOL[w.dtype]
+    dx_only, none = k.rms_norm_bwd(dy, x, w, rstd, needs_dw=False, config=cfg)
+    assert none is None and torch.equal(dx_only, dx)
+    none, dw_only = k.rms_norm_bwd(dy, x, w, rstd, needs_dx=False, config=cfg)
+    assert none is None and torch.equal(dw_only, dw)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 9, 40], ids=lambda r: f"rows{r}")
+def test_cooperative_kernels_one_slice(kernel_device, dtype, rows):
+    # One slice per row: the group's exchange through memory and counters runs (a program
+    # waits only for itself), so this runs on the interpreter too.
+    x, w, dy = random_inputs((rows, 100), dtype, torch.float32, seed=rows, device=kernel_device)
+    _check_kernels(x, w, dy, {"looped": True, "coop": True, "coop_block": 128})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="several programs wait for each "
+                    "other: needs a GPU (the interpreter runs programs one at a time)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,cols,block", [(9, 100, 32), (300, 1000, 64), (3, 4096, 512),
+                                             (1000, 70, 16)], ids=str)
+def test_cooperative_kernels_many_slices(dtype, rows, cols, block):
+    x, w, dy = random_inputs((rows, cols), dtype, torch.float32, seed=cols,
+                             device=torch.device("cuda"))
+    cfg = {"looped": True, "coop": True, "coop_block": block, "coop_warps": 4}
+    y, dx, dw = _check_kernels(x, w, dy, cfg)
+    # Each row's partials are summed in a fixed order: bitwise reproducible.
+    y2, dx2, dw2 = _check_kernels(x, w, dy, cfg)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
 @pytest.mark.parametrize("reduce", ["triton", "torch"])
 def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     # The tuning knobs (ROW_SUM accumulation, the dweight reduction) change only the order
@@ -79,7 +120,7 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
     _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
     for cfg in ({"block_r": 4, "row_sum": True}, {"block_r": 2, "programs_per_sm": 2},
-                {"looped": True, "chunk": 32}):
+                {"looped": True, "chunk": 32}, {"looped": True, "coop": False, "chunk": 32}):
         dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
         assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
         assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]

@@ -26,7 +26,9 @@ Exposed communication, two ways (both reported):
                 included.
 On CUDA with ``--trace``, a profiler trace of one extra step per variant also gives the
 share of NCCL kernel time that ran while compute kernels were running (hidden under
-backward): ``overlap_share``.
+backward): ``overlap_share``; and the NCCL time that ran under no compute kernel, over the
+mean step time: ``nccl_exposed_share`` (communication exposed by the trace's measure; the
+"vs local" figure also counts compute slowed down by NCCL running beside it).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                          trace_dir=trace_dir, trace=args.trace)
         per_rank = launch(ddp_rank, args, spec)
         add_rows(out, args, preset, names, per_rank)
-    out.table(COLUMNS + (["overlap_share"] if args.trace else []),
+    out.table(COLUMNS + (["overlap_share", "nccl_exposed_share"] if args.trace else []),
               title=f"ddp: {args.world_size} ranks, {args.device}, {args.precision}, batch "
                     f"{args.batch_size}/rank x context {args.context_length}, "
                     f"{args.steps} timed steps x {args.rounds} rounds")
@@ -160,6 +162,11 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
                                        if overhead is not None and s["step_ms"] > 0 else None),
             "overlap_share": (sum(o["hidden_share"] for o in overlap) / len(overlap)
                               if overlap else None),
+            # NCCL time of the traced step that ran under no compute kernel, over the
+            # (untraced) mean step time: communication left exposed, from the trace.
+            "nccl_exposed_share": (sum(o["nccl_ms"] - o["hidden_ms"] for o in overlap)
+                                   / len(overlap) / s["step_ms"]
+                                   if overlap and s["step_ms"] > 0 else None),
         }
         out.add(conf, metrics)
 

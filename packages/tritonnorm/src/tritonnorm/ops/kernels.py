@@ -7,12 +7,16 @@ Two layouts, picked by the row length H:
   persistent grid (a few programs per SM) whose programs walk over row tiles, write dx and
   keep a float32 partial weight gradient in registers, stored once per program into a
   [n_programs, H] buffer.
-* looped kernels, for longer rows (or when a fused block would spill registers): the
-  forward loops over a row in chunks twice (sum of squares, then normalise; the second pass
-  runs the chunks backwards so that the most recently read ones are still in L2); the
-  backward splits the columns into slices, each program owning one slice over many rows so
-  that its weight-gradient partial stays in registers, and a second kernel writes dx from
-  the per-(row, slice) partial dot products.
+* cooperative kernels, for longer rows on the GPU: each row is split over a group of
+  programs (16 KiB of it each, held in registers), which exchange partial sums through
+  memory and a per-row counter, so x (and dy) are read once; the grid is at most one
+  program per SM so that every program is resident while others wait for it.
+* looped kernels, for longer rows where the cooperative ones cannot run (the interpreter,
+  rows longer than 16 KiB × SMs): the forward loops over a row in chunks twice (sum of
+  squares, then normalise; the second pass runs the chunks backwards so that the most
+  recently read ones are still in L2); the backward splits the columns into slices, each
+  program owning one slice over many rows so that its weight-gradient partial stays in
+  registers, and a second kernel writes dx from the per-(row, slice) partial dot products.
 
 The [n_programs, H] float32 partial weight gradients are then summed over programs by one
 column sum of fixed shape: no atomics anywhere, so two runs give bitwise the same dweight.
@@ -246,6 +250,125 @@ def _bwd_dx_looped_kernel(
 
 
 @triton.jit
+def _wait_for_row(CNT, row, n_slices):
+    # Spin until all n_slices programs of a row have published their partial sums (each
+    # stores its partial, then bumps the row's counter). The atomics are acq_rel at GPU
+    # scope: the partials stored before a bump are visible after we read the full count.
+    seen = tl.atomic_add(CNT + row, 0)
+    while seen < n_slices:
+        seen = tl.atomic_add(CNT + row, 0)
+    tl.debug_barrier()  # the whole program reads the partials only after the wait
+
+
+@triton.jit
+def _publish_partial(PART, CNT, row, s, n_slices, value):
+    # Store this program's partial sum for ``row`` and count it; the barrier orders every
+    # thread's store before the counting atomic.
+    tl.store(PART + tl.cast(row, tl.int64) * n_slices + s, value)
+    tl.debug_barrier()
+    tl.atomic_add(CNT + row, 1)
+
+
+@triton.jit
+def _fwd_coop_kernel(
+    X, W, Y, RSTD, SS_PART, CNT, n_rows, n_cols, n_slices, stride_x, stride_y, eps,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # Cooperative forward for long rows: each row is split over the n_slices programs of a
+    # group, each holding one BLOCK_H slice in registers, so x is read from memory once.
+    # The programs exchange partial sums of squares through SS_PART and a per-row counter.
+    # The wait is one row behind: a program publishes row i's partial, then finishes row
+    # i-1 (whose partials have long arrived), so the exchange rarely stalls. Every program
+    # of the grid must be resident at once (the launcher sizes the grid so).
+    pid = tl.program_id(0)
+    n_groups = tl.num_programs(0) // n_slices
+    g = pid // n_slices
+    s = pid % n_slices
+    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    sl = tl.arange(0, BLOCK_S)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
+    n_iter = tl.cdiv(n_rows - g, n_groups)
+    for it in range(0, n_iter + 1):
+        row = g + it * n_groups
+        live = row < n_rows
+        # Past the last row (the final iteration only finishes the previous one) the
+        # loads are masked off entirely.
+        ok = cols < tl.where(live, n_cols, 0)
+        x = tl.load(X + tl.cast(row, tl.int64) * stride_x + cols, mask=ok, other=0.0)
+        if live:
+            xf = x.to(tl.float32)
+            _publish_partial(SS_PART, CNT, row, s, n_slices, tl.sum(xf * xf, axis=0))
+        if it > 0:
+            prev = row - n_groups
+            _wait_for_row(CNT, prev, n_slices)
+            part = tl.load(SS_PART + tl.cast(prev, tl.int64) * n_slices + sl,
+                           mask=sl < n_slices, other=0.0, volatile=True)
+            rstd = 1.0 / tl.sqrt(tl.sum(part, axis=0) / n_cols + eps)
+            y = x_prev.to(tl.float32) * rstd * w
+            tl.store(Y + tl.cast(prev, tl.int64) * stride_y + cols, y.to(Y.dtype.element_ty),
+                     mask=col_ok)
+            if s == 0:
+                tl.store(RSTD + prev, rstd)
+        x_prev = x
+
+
+@triton.jit
+def _bwd_coop_kernel(
+    X, W, DY, RSTD, DOT_PART, CNT, DX, DW_PART, n_rows, n_cols, n_slices, stride_x,
+    stride_dy, stride_dx,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+):
+    # Cooperative backward for long rows, organised like _fwd_coop_kernel: x and dy are
+    # read once and kept in registers while the group exchanges the partial dot products
+    # sum(g * dy * x_hat) that dx needs; the dweight slice accumulates in registers and is
+    # stored once per program into DW_PART[group] (summed over groups afterwards).
+    pid = tl.program_id(0)
+    n_groups = tl.num_programs(0) // n_slices
+    g = pid // n_slices
+    s = pid % n_slices
+    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    sl = tl.arange(0, BLOCK_S)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
+    dy_prev = tl.zeros([BLOCK_H], dtype=DY.dtype.element_ty)
+    n_iter = tl.cdiv(n_rows - g, n_groups)
+    for it in range(0, n_iter + 1):
+        row = g + it * n_groups
+        live = row < n_rows
+        row64 = tl.cast(row, tl.int64)
+        ok = cols < tl.where(live, n_cols, 0)  # all off past the last row
+        x = tl.load(X + row64 * stride_x + cols, mask=ok, other=0.0)
+        dy = tl.load(DY + row64 * stride_dy + cols, mask=ok, other=0.0)
+        rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # x_hat is 0 there anyway
+        x_hat = x.to(tl.float32) * rstd
+        if HAS_DW:
+            dw_acc += dy.to(tl.float32) * x_hat
+        if HAS_DX:
+            if live:
+                _publish_partial(DOT_PART, CNT, row, s, n_slices,
+                                 tl.sum(dy.to(tl.float32) * w * x_hat, axis=0))
+            if it > 0:
+                prev = row - n_groups
+                prev64 = tl.cast(prev, tl.int64)
+                _wait_for_row(CNT, prev, n_slices)
+                part = tl.load(DOT_PART + prev64 * n_slices + sl, mask=sl < n_slices,
+                               other=0.0, volatile=True)
+                c = tl.sum(part, axis=0) / n_cols
+                rstd_p = tl.load(RSTD + prev)
+                xh = x_prev.to(tl.float32) * rstd_p
+                dx = (dy_prev.to(tl.float32) * w - xh * c) * rstd_p
+                tl.store(DX + prev64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
+            x_prev = x
+            dy_prev = dy
+    if HAS_DW:
+        tl.store(DW_PART + g * n_cols + cols, dw_acc, mask=col_ok)
+
+
+@triton.jit
 def _sum_partials_kernel(
     PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -401,6 +524,16 @@ LOOP_FWD_WARPS, LOOP_FWD_PER_SM = 16, 1
 LOOP_BWD_WARPS, LOOP_BWD_PER_SM = 8, 2
 LOOP_CHUNK_BWD = 8192
 
+# Cooperative kernels for long rows (GPU only): a row is split over a group of programs,
+# COOP_BLOCK_BYTES of it per program, which exchange partial sums through memory. Their
+# waits need every program of the grid resident at once, so the grid is at most one
+# program per SM (one block of any num_warps always fits an SM). The interpreter runs
+# programs one after another, where a wait would never end: it keeps the two-pass kernels.
+COOP = os.environ.get("TRITON_INTERPRET") != "1"
+COOP_BLOCK_BYTES = 16384
+COOP_FWD_WARPS = 16
+COOP_BWD_WARPS = 16
+
 
 @functools.lru_cache(maxsize=1024)
 def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int]:
@@ -462,6 +595,33 @@ def _bwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
     return False, block_r, block_h, num_warps, per_sm, chunk, row_sum
 
 
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+def _coop_plan(x: torch.Tensor, n_rows: int, n_cols: int, config: dict | None,
+               backward: bool = False) -> tuple[int, int, int, int] | None:
+    """(BLOCK_H, slices per row, groups, num_warps) of a cooperative launch, or None.
+
+    None where the two-pass looped kernels must serve: on the interpreter (unless a test
+    forces ``coop`` with one slice per row), or when a row needs more slices than the
+    GPU has SMs (the group could not all be resident).
+    """
+    coop = COOP if not config else config.get("coop", COOP)
+    if not coop:
+        return None
+    block = COOP_BLOCK_BYTES // x.element_size()
+    num_warps = COOP_BWD_WARPS if backward else COOP_FWD_WARPS
+    if config:
+        block = config.get("coop_block", block)
+        num_warps = config.get("coop_warps", num_warps)
+    n_slices = _cdiv(n_cols, block)
+    n_groups = min(n_rows, _n_programs(x, 1) // n_slices)
+    if n_groups < 1 or (x.get_device() < 0 and n_slices > 1):
+        return None
+    return block, n_slices, n_groups, num_warps
+
+
 def _n_programs(x: torch.Tensor, per_sm: int) -> int:
     """Programs in a persistent grid: ``per_sm`` per SM of x's GPU, 3 on the interpreter.
 
@@ -502,6 +662,16 @@ def rms_norm_fwd(
         num_warps = config.get("num_warps", num_warps if not looped else LOOP_FWD_WARPS)
         per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_FWD_PER_SM)
         chunk = min(config.get("chunk", chunk), block_h)
+    coop = _coop_plan(x, n_rows, n_cols, config) if looped else None
+    if coop is not None:
+        block, n_slices, n_groups, num_warps = coop
+        ss_part = x2.new_empty((n_rows, n_slices), dtype=torch.float32)
+        counts = torch.zeros(n_rows, dtype=torch.int32, device=x2.device)
+        _launch(_fwd_coop_kernel, (n_groups * n_slices, 1, 1),
+                (x2, w, y2, rstd, ss_part, counts, n_rows, n_cols, n_slices, x2.stride(0),
+                 n_cols, eps),
+                (block, _pow2_at_least(n_slices)), num_warps)
+        return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
     args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
     if looped:
         # One row per program at a time, read twice (sum of squares, then normalise). With
@@ -585,7 +755,17 @@ def rms_norm_bwd(
         per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_BWD_PER_SM)
         chunk = min(config.get("chunk", chunk), block_h)
         row_sum = config.get("row_sum", row_sum)
-    if looped:
+    coop = _coop_plan(x, n_rows, n_cols, config, backward=True) if looped else None
+    if coop is not None:
+        block, n_slices, n_groups, num_warps = coop
+        dot_part = x2.new_empty((n_rows, n_slices) if needs_dx else (1, 1), dtype=torch.float32)
+        counts = torch.zeros(n_rows if needs_dx else 1, dtype=torch.int32, device=x2.device)
+        dw_part = x2.new_empty((n_groups, n_cols) if needs_dw else (1, 1), dtype=torch.float32)
+        _launch(_bwd_coop_kernel, (n_groups * n_slices, 1, 1),
+                (x2, w, dy2, rstd, dot_part, counts, dx2, dw_part, n_rows, n_cols, n_slices,
+                 x2.stride(0), dy2.stride(0), dx2.stride(0)),
+                (block, _pow2_at_least(n_slices), needs_dx, needs_dw), num_warps)
+    elif looped:
         n_slices = _cdiv(n_cols, chunk)
         n_groups = min(n_rows, max(1, _n_programs(x, per_sm) // n_slices))
         dot_part = torch.empty((n_rows, n_slices), dtype=torch.float32, device=x.device)
@@ -598,7 +778,7 @@ def rms_norm_bwd(
             _launch(_bwd_dx_looped_kernel, (n_rows, n_slices, 1),
                     (x2, w, dy2, rstd, dot_part, dx2, n_rows, n_cols, n_slices,
                      x2.stride(0), dy2.stride(0), dx2.stride(0)),
-                    (chunk, max(16, 1 << (n_slices - 1).bit_length())), num_warps)
+                    (chunk, _pow2_at_least(n_slices)), num_warps)
     else:
         n_prog = min(_cdiv(n_rows, block_r), _n_programs(x, per_sm))
         dw_part = x2.new_empty((n_prog, n_cols), dtype=torch.float32)
