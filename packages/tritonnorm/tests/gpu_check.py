@@ -439,8 +439,7 @@ def tune_coop(bw):
     """Cooperative long-row kernels: slice size and warps, against the two-pass kernels."""
     shapes = [(torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 131072),
               (torch.float32, 65536)]
-    grid = [(16384, 16), (8192, 16), (8192, 8), (16384, 8), (32768, 16), (32768, 32),
-            (4096, 8), (4096, 4)]
+    grid = [(16384, 16), (8192, 16), (16384, 8), (32768, 16), (32768, 32), (65536, 32)]
     totals = {}
     for dt, H in shapes:
         x, w, dy = make(LARGE_ROWS, H, dt)
@@ -468,10 +467,10 @@ def tune_coop(bw):
         best = min(timed, key=timed.get)
         log(f"COOP {kind}: best (block bytes, warps) {best}; two-pass / best = "
             f"{sum(totals.get((kind, 0, 0), [float('nan')])) / timed[best]:.2f}")
-        if kind == "bwd":  # the two kernels share COOP_BLOCK_BYTES; the backward moves more
-            kernels.COOP_BLOCK_BYTES = best[0]
+        block_attr = "COOP_FWD_BLOCK_BYTES" if kind == "fwd" else "COOP_BWD_BLOCK_BYTES"
+        setattr(kernels, block_attr, best[0])
         setattr(kernels, warps_attr, best[1])
-        log(f"APPLY COOP_BLOCK_BYTES={kernels.COOP_BLOCK_BYTES} {warps_attr}={best[1]}")
+        log(f"APPLY {block_attr}={best[0]} {warps_attr}={best[1]}")
 
 
 def cell_numerics(x, w, dy):

@@ -252,11 +252,13 @@ def _bwd_dx_looped_kernel(
 @triton.jit
 def _wait_for_row(CNT, row, n_slices):
     # Spin until all n_slices programs of a row have published their partial sums (each
-    # stores its partial, then bumps the row's counter). The atomics are acq_rel at GPU
-    # scope: the partials stored before a bump are visible after we read the full count.
-    seen = tl.atomic_add(CNT + row, 0)
+    # stores its partial, then bumps the row's counter with a release atomic). The spin
+    # reads with plain volatile loads (no atomic traffic); one acquire atomic after it
+    # makes the partials stored before the last bump visible to this program.
+    seen = tl.load(CNT + row, volatile=True)
     while seen < n_slices:
-        seen = tl.atomic_add(CNT + row, 0)
+        seen = tl.load(CNT + row, volatile=True)
+    tl.atomic_add(CNT + row, 0, sem="acquire")
     tl.debug_barrier()  # the whole program reads the partials only after the wait
 
 
@@ -266,7 +268,7 @@ def _publish_partial(PART, CNT, row, s, n_slices, value):
     # thread's store before the counting atomic.
     tl.store(PART + tl.cast(row, tl.int64) * n_slices + s, value)
     tl.debug_barrier()
-    tl.atomic_add(CNT + row, 1)
+    tl.atomic_add(CNT + row, 1, sem="release")
 
 
 @triton.jit
@@ -289,14 +291,17 @@ def _fwd_coop_kernel(
     sl = tl.arange(0, BLOCK_S)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
+    # The next row's slice is loaded one iteration ahead, so that a load is in flight
+    # while the program reduces, waits and writes (past the last row loads are masked off).
+    x_next = tl.load(X + tl.cast(g, tl.int64) * stride_x + cols, mask=col_ok, other=0.0)
     n_iter = tl.cdiv(n_rows - g, n_groups)
     for it in range(0, n_iter + 1):
         row = g + it * n_groups
         live = row < n_rows
-        # Past the last row (the final iteration only finishes the previous one) the
-        # loads are masked off entirely.
-        ok = cols < tl.where(live, n_cols, 0)
-        x = tl.load(X + tl.cast(row, tl.int64) * stride_x + cols, mask=ok, other=0.0)
+        x = x_next
+        nxt = row + n_groups
+        x_next = tl.load(X + tl.cast(nxt, tl.int64) * stride_x + cols,
+                         mask=cols < tl.where(nxt < n_rows, n_cols, 0), other=0.0)
         if live:
             xf = x.to(tl.float32)
             _publish_partial(SS_PART, CNT, row, s, n_slices, tl.sum(xf * xf, axis=0))
@@ -335,15 +340,22 @@ def _bwd_coop_kernel(
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     dy_prev = tl.zeros([BLOCK_H], dtype=DY.dtype.element_ty)
+    # As in the forward, the next row's slices are loaded one iteration ahead.
+    g64 = tl.cast(g, tl.int64)
+    x_next = tl.load(X + g64 * stride_x + cols, mask=col_ok, other=0.0)
+    dy_next = tl.load(DY + g64 * stride_dy + cols, mask=col_ok, other=0.0)
     n_iter = tl.cdiv(n_rows - g, n_groups)
     for it in range(0, n_iter + 1):
         row = g + it * n_groups
         live = row < n_rows
-        row64 = tl.cast(row, tl.int64)
-        ok = cols < tl.where(live, n_cols, 0)  # all off past the last row
-        x = tl.load(X + row64 * stride_x + cols, mask=ok, other=0.0)
-        dy = tl.load(DY + row64 * stride_dy + cols, mask=ok, other=0.0)
-        rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # x_hat is 0 there anyway
+        x = x_next
+        dy = dy_next
+        nxt = row + n_groups
+        nxt64 = tl.cast(nxt, tl.int64)
+        ok = cols < tl.where(nxt < n_rows, n_cols, 0)  # all off past the last row
+        x_next = tl.load(X + nxt64 * stride_x + cols, mask=ok, other=0.0)
+        dy_next = tl.load(DY + nxt64 * stride_dy + cols, mask=ok, other=0.0)
+        rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # x_hat is 0 past the last row
         x_hat = x.to(tl.float32) * rstd
         if HAS_DW:
             dw_acc += dy.to(tl.float32) * x_hat
@@ -525,14 +537,13 @@ LOOP_BWD_WARPS, LOOP_BWD_PER_SM = 8, 2
 LOOP_CHUNK_BWD = 8192
 
 # Cooperative kernels for long rows (GPU only): a row is split over a group of programs,
-# COOP_BLOCK_BYTES of it per program, which exchange partial sums through memory. Their
+# COOP_*_BLOCK_BYTES of it per program, which exchange partial sums through memory. Their
 # waits need every program of the grid resident at once, so the grid is at most one
 # program per SM (one block of any num_warps always fits an SM). The interpreter runs
 # programs one after another, where a wait would never end: it keeps the two-pass kernels.
 COOP = os.environ.get("TRITON_INTERPRET") != "1"
-COOP_BLOCK_BYTES = 16384
-COOP_FWD_WARPS = 16
-COOP_BWD_WARPS = 16
+COOP_FWD_BLOCK_BYTES, COOP_FWD_WARPS = 16384, 16
+COOP_BWD_BLOCK_BYTES, COOP_BWD_WARPS = 16384, 16
 
 
 @functools.lru_cache(maxsize=1024)
@@ -610,7 +621,7 @@ def _coop_plan(x: torch.Tensor, n_rows: int, n_cols: int, config: dict | None,
     coop = COOP if not config else config.get("coop", COOP)
     if not coop:
         return None
-    block = COOP_BLOCK_BYTES // x.element_size()
+    block = (COOP_BWD_BLOCK_BYTES if backward else COOP_FWD_BLOCK_BYTES) // x.element_size()
     num_warps = COOP_BWD_WARPS if backward else COOP_FWD_WARPS
     if config:
         block = config.get("coop_block", block)
