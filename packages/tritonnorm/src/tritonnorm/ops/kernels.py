@@ -9,7 +9,7 @@ Two layouts, picked by the row length H:
   [n_programs, H] buffer.
 * cooperative kernels, for longer rows on the GPU: each row is split over a group of
   programs (16 KiB of it each, held in registers), which exchange partial sums through
-  memory and a per-row counter, so x (and dy) are read once; the grid is at most one
+  memory (flagged 64-bit words), so x (and dy) are read once; the grid is at most one
   program per SM so that every program is resident while others wait for it.
 * looped kernels, for longer rows where the cooperative ones cannot run (the interpreter,
   rows longer than 16 KiB × SMs): the forward loops over a row in chunks twice (sum of
@@ -250,35 +250,37 @@ def _bwd_dx_looped_kernel(
 
 
 @triton.jit
-def _wait_for_row(CNT, row, n_slices):
-    # Spin until all n_slices programs of a row have published their partial sums (each
-    # stores its partial, then bumps the row's counter with a release atomic). The spin
-    # reads with plain volatile loads (no atomic traffic); one acquire atomic after it
-    # makes the partials stored before the last bump visible to this program.
-    seen = tl.load(CNT + row, volatile=True)
-    while seen < n_slices:
-        seen = tl.load(CNT + row, volatile=True)
-    tl.atomic_add(CNT + row, 0, sem="acquire")
-    tl.debug_barrier()  # the whole program reads the partials only after the wait
+def _publish_partial(SLOTS, row, s, n_slices, value):
+    # Publish this program's float32 partial sum for ``row``: the value's bits with a
+    # "written" flag above them, in one 64-bit word. Data and flag arrive together, so no
+    # memory fence is needed (a fence would also wait for this program's loads in flight).
+    word = value.to(tl.uint32, bitcast=True).to(tl.int64) | (1 << 32)
+    tl.atomic_xchg(SLOTS + tl.cast(row, tl.int64) * n_slices + s, word, sem="relaxed")
 
 
 @triton.jit
-def _publish_partial(PART, CNT, row, s, n_slices, value):
-    # Store this program's partial sum for ``row`` and count it; the barrier orders every
-    # thread's store before the counting atomic.
-    tl.store(PART + tl.cast(row, tl.int64) * n_slices + s, value)
-    tl.debug_barrier()
-    tl.atomic_add(CNT + row, 1, sem="release")
+def _row_total(SLOTS, row, n_slices, BLOCK_S: tl.constexpr):
+    # Wait until every program of the row's group has published its partial (the slots
+    # start zeroed, so the flag bit tells written from not yet), then sum the partials in
+    # slot order: every program of the group gets bitwise the same total.
+    sl = tl.arange(0, BLOCK_S)
+    ptrs = SLOTS + tl.cast(row, tl.int64) * n_slices + sl
+    in_row = sl < n_slices
+    words = tl.load(ptrs, mask=in_row, other=1 << 32, volatile=True)
+    while tl.min(words >> 32, axis=0) == 0:
+        words = tl.load(ptrs, mask=in_row, other=1 << 32, volatile=True)
+    part = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.where(in_row, part, 0.0), axis=0)
 
 
 @triton.jit
 def _fwd_coop_kernel(
-    X, W, Y, RSTD, SS_PART, CNT, n_rows, n_cols, n_slices, stride_x, stride_y, eps,
+    X, W, Y, RSTD, SLOTS, n_rows, n_cols, n_slices, stride_x, stride_y, eps,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # Cooperative forward for long rows: each row is split over the n_slices programs of a
     # group, each holding one BLOCK_H slice in registers, so x is read from memory once.
-    # The programs exchange partial sums of squares through SS_PART and a per-row counter.
+    # The programs exchange partial sums of squares through SLOTS ([rows, n_slices] words).
     # The wait is one row behind: a program publishes row i's partial, then finishes row
     # i-1 (whose partials have long arrived), so the exchange rarely stalls. Every program
     # of the grid must be resident at once (the launcher sizes the grid so).
@@ -288,7 +290,6 @@ def _fwd_coop_kernel(
     s = pid % n_slices
     cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
-    sl = tl.arange(0, BLOCK_S)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     # The next row's slice is loaded one iteration ahead, so that a load is in flight
@@ -304,13 +305,10 @@ def _fwd_coop_kernel(
                          mask=cols < tl.where(nxt < n_rows, n_cols, 0), other=0.0)
         if live:
             xf = x.to(tl.float32)
-            _publish_partial(SS_PART, CNT, row, s, n_slices, tl.sum(xf * xf, axis=0))
+            _publish_partial(SLOTS, row, s, n_slices, tl.sum(xf * xf, axis=0))
         if it > 0:
             prev = row - n_groups
-            _wait_for_row(CNT, prev, n_slices)
-            part = tl.load(SS_PART + tl.cast(prev, tl.int64) * n_slices + sl,
-                           mask=sl < n_slices, other=0.0, volatile=True)
-            rstd = 1.0 / tl.sqrt(tl.sum(part, axis=0) / n_cols + eps)
+            rstd = 1.0 / tl.sqrt(_row_total(SLOTS, prev, n_slices, BLOCK_S) / n_cols + eps)
             y = x_prev.to(tl.float32) * rstd * w
             tl.store(Y + tl.cast(prev, tl.int64) * stride_y + cols, y.to(Y.dtype.element_ty),
                      mask=col_ok)
@@ -321,7 +319,7 @@ def _fwd_coop_kernel(
 
 @triton.jit
 def _bwd_coop_kernel(
-    X, W, DY, RSTD, DOT_PART, CNT, DX, DW_PART, n_rows, n_cols, n_slices, stride_x,
+    X, W, DY, RSTD, SLOTS, DX, DW_PART, n_rows, n_cols, n_slices, stride_x,
     stride_dy, stride_dx,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
 ):
@@ -335,7 +333,6 @@ def _bwd_coop_kernel(
     s = pid % n_slices
     cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
-    sl = tl.arange(0, BLOCK_S)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
@@ -361,15 +358,12 @@ def _bwd_coop_kernel(
             dw_acc += dy.to(tl.float32) * x_hat
         if HAS_DX:
             if live:
-                _publish_partial(DOT_PART, CNT, row, s, n_slices,
+                _publish_partial(SLOTS, row, s, n_slices,
                                  tl.sum(dy.to(tl.float32) * w * x_hat, axis=0))
             if it > 0:
                 prev = row - n_groups
                 prev64 = tl.cast(prev, tl.int64)
-                _wait_for_row(CNT, prev, n_slices)
-                part = tl.load(DOT_PART + prev64 * n_slices + sl, mask=sl < n_slices,
-                               other=0.0, volatile=True)
-                c = tl.sum(part, axis=0) / n_cols
+                c = _row_total(SLOTS, prev, n_slices, BLOCK_S) / n_cols
                 rstd_p = tl.load(RSTD + prev)
                 xh = x_prev.to(tl.float32) * rstd_p
                 dx = (dy_prev.to(tl.float32) * w - xh * c) * rstd_p
@@ -676,10 +670,9 @@ def rms_norm_fwd(
     coop = _coop_plan(x, n_rows, n_cols, config) if looped else None
     if coop is not None:
         block, n_slices, n_groups, num_warps = coop
-        ss_part = x2.new_empty((n_rows, n_slices), dtype=torch.float32)
-        counts = torch.zeros(n_rows, dtype=torch.int32, device=x2.device)
+        slots = torch.zeros((n_rows, n_slices), dtype=torch.int64, device=x2.device)
         _launch(_fwd_coop_kernel, (n_groups * n_slices, 1, 1),
-                (x2, w, y2, rstd, ss_part, counts, n_rows, n_cols, n_slices, x2.stride(0),
+                (x2, w, y2, rstd, slots, n_rows, n_cols, n_slices, x2.stride(0),
                  n_cols, eps),
                 (block, _pow2_at_least(n_slices)), num_warps)
         return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
@@ -769,11 +762,11 @@ def rms_norm_bwd(
     coop = _coop_plan(x, n_rows, n_cols, config, backward=True) if looped else None
     if coop is not None:
         block, n_slices, n_groups, num_warps = coop
-        dot_part = x2.new_empty((n_rows, n_slices) if needs_dx else (1, 1), dtype=torch.float32)
-        counts = torch.zeros(n_rows if needs_dx else 1, dtype=torch.int32, device=x2.device)
+        slots = torch.zeros((n_rows, n_slices) if needs_dx else (1, 1), dtype=torch.int64,
+                            device=x2.device)
         dw_part = x2.new_empty((n_groups, n_cols) if needs_dw else (1, 1), dtype=torch.float32)
         _launch(_bwd_coop_kernel, (n_groups * n_slices, 1, 1),
-                (x2, w, dy2, rstd, dot_part, counts, dx2, dw_part, n_rows, n_cols, n_slices,
+                (x2, w, dy2, rstd, slots, dx2, dw_part, n_rows, n_cols, n_slices,
                  x2.stride(0), dy2.stride(0), dx2.stride(0)),
                 (block, _pow2_at_least(n_slices), needs_dx, needs_dw), num_warps)
     elif looped:
