@@ -436,10 +436,12 @@ def tune_large(bw):
 
 
 def tune_coop(bw):
-    """Cooperative long-row kernels: slice size and warps, against the two-pass kernels."""
+    """Cooperative long-row kernels per dtype: slice bytes and warps, against the two-pass
+    kernels (fwd and bwd timed apart); the best per (kernel, element size) is applied."""
     shapes = [(torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 131072),
               (torch.float32, 65536)]
-    grid = [(16384, 16), (8192, 16), (16384, 8), (32768, 16), (32768, 32), (65536, 32)]
+    grid = {"fwd": [(32768, 16), (32768, 32), (16384, 16), (65536, 32)],
+            "bwd": [(16384, 8), (16384, 16), (16384, 4), (8192, 4), (8192, 8), (32768, 8)]}
     totals = {}
     for dt, H in shapes:
         x, w, dy = make(LARGE_ROWS, H, dt)
@@ -448,7 +450,7 @@ def tune_coop(bw):
         for kind, nbytes in (("fwd", 2 * x.numel() * es), ("bwd", 3 * x.numel() * es)):
             cfgs = [{"looped": True, "coop": False}] + [
                 {"looped": True, "coop": True, "coop_block": b // es, "coop_warps": nw}
-                for b, nw in grid]
+                for b, nw in grid[kind]]
             if kind == "fwd":
                 fn = lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
             else:
@@ -456,21 +458,23 @@ def tune_coop(bw):
                     dy, x, w, r, config=cfg)
             for _p, ms, cfg in _sweep(f"coop {kind} {str(dt)[6:]} {LARGE_ROWS}x{H}", nbytes, fn,
                                       cfgs, bw, top=5):
-                key = (kind, cfg.get("coop_block", 0) * es, cfg.get("coop_warps", 0))
+                key = (kind, es, cfg.get("coop_block", 0) * es, cfg.get("coop_warps", 0))
                 totals.setdefault(key, []).append(ms / nbytes)
-    for kind, warps_attr in (("fwd", "COOP_FWD_WARPS"), ("bwd", "COOP_BWD_WARPS")):
-        # One setting for every long row: the least summed time per byte over the shapes.
-        timed = {k[1:]: sum(v) for k, v in totals.items() if k[0] == kind
-                 and len(v) == len(shapes) and k[1]}
-        if not timed:
-            continue
-        best = min(timed, key=timed.get)
-        log(f"COOP {kind}: best (block bytes, warps) {best}; two-pass / best = "
-            f"{sum(totals.get((kind, 0, 0), [float('nan')])) / timed[best]:.2f}")
-        block_attr = "COOP_FWD_BLOCK_BYTES" if kind == "fwd" else "COOP_BWD_BLOCK_BYTES"
-        setattr(kernels, block_attr, best[0])
-        setattr(kernels, warps_attr, best[1])
-        log(f"APPLY {block_attr}={best[0]} {warps_attr}={best[1]}")
+    for kind in ("fwd", "bwd"):
+        table = kernels.COOP_FWD if kind == "fwd" else kernels.COOP_BWD
+        for es in sorted({k[1] for k in totals if k[0] == kind}):
+            # Least summed time per byte over that element size's shapes.
+            timed = {k[2:]: sum(v) for k, v in totals.items()
+                     if k[:2] == (kind, es) and k[2] and len(v) == len(totals.get(
+                         (kind, es, 0, 0), v))}
+            if not timed:
+                continue
+            best = min(timed, key=timed.get)
+            two_pass = sum(totals.get((kind, es, 0, 0), [float("nan")]))
+            log(f"COOP {kind} {es}B: best (bytes, warps) {best}; two-pass / best = "
+                f"{two_pass / timed[best]:.2f}")
+            table[es] = best
+            log(f"APPLY COOP_{kind.upper()}[{es}] = {best}")
 
 
 def cell_numerics(x, w, dy):

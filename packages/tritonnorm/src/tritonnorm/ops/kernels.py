@@ -8,7 +8,7 @@ Two layouts, picked by the row length H:
   keep a float32 partial weight gradient in registers, stored once per program into a
   [n_programs, H] buffer.
 * cooperative kernels, for longer rows on the GPU: each row is split over a group of
-  programs (16 KiB of it each, held in registers), which exchange partial sums through
+  programs (16-32 KiB of it each, held in registers), which exchange partial sums through
   memory (flagged 64-bit words), so x (and dy) are read once; the grid is at most one
   program per SM so that every program is resident while others wait for it.
 * looped kernels, for longer rows where the cooperative ones cannot run (the interpreter,
@@ -531,13 +531,17 @@ LOOP_BWD_WARPS, LOOP_BWD_PER_SM = 8, 2
 LOOP_CHUNK_BWD = 8192
 
 # Cooperative kernels for long rows (GPU only): a row is split over a group of programs,
-# COOP_*_BLOCK_BYTES of it per program, which exchange partial sums through memory. Their
+# COOP_FWD/COOP_BWD bytes of it per program, which exchange partial sums through memory. Their
 # waits need every program of the grid resident at once, so the grid is at most one
 # program per SM (one block of any num_warps always fits an SM). The interpreter runs
 # programs one after another, where a wait would never end: it keeps the two-pass kernels.
 COOP = os.environ.get("TRITON_INTERPRET") != "1"
-COOP_FWD_BLOCK_BYTES, COOP_FWD_WARPS = 16384, 16
-COOP_BWD_BLOCK_BYTES, COOP_BWD_WARPS = 16384, 16
+# element size -> (bytes of a row per program, num_warps), from the H200 sweep
+# (`gpu_check.py --tune-coop`, 4,096 rows x 32,768-131,072): the forward 32 KiB with 16
+# warps (85-91% of copy bandwidth for the kernel alone), the backward 16 KiB of x and of dy
+# with 8 warps in 16-bit (76-79%) and 16 in float32 (89%); a 32 KiB backward spills.
+COOP_FWD = {2: (32768, 16), 4: (32768, 16)}
+COOP_BWD = {2: (16384, 8), 4: (16384, 16)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -615,8 +619,9 @@ def _coop_plan(x: torch.Tensor, n_rows: int, n_cols: int, config: dict | None,
     coop = COOP if not config else config.get("coop", COOP)
     if not coop:
         return None
-    block = (COOP_BWD_BLOCK_BYTES if backward else COOP_FWD_BLOCK_BYTES) // x.element_size()
-    num_warps = COOP_BWD_WARPS if backward else COOP_FWD_WARPS
+    es = x.element_size()
+    block_bytes, num_warps = (COOP_BWD if backward else COOP_FWD).get(es, (16384, 8))
+    block = block_bytes // es
     if config:
         block = config.get("coop_block", block)
         num_warps = config.get("coop_warps", num_warps)
