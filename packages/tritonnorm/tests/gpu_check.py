@@ -435,6 +435,38 @@ def tune_large(bw):
         log("APPLY _FWD_TUNED[(2, 32768)] = (1, 32)")
 
 
+def tune_fwd(bw):
+    """Forward launch configs (fused, and persistent with prefetch) where the forward was
+    below 90% or behind torch.compile; winners by more than 2% go into the tables."""
+    cells = [(torch.float32, 1024), (torch.float32, 2048), (torch.bfloat16, 1024),
+             (torch.bfloat16, 8192)]
+    for dt, H in cells:
+        x, w, _ = make(ROWS, H, dt)
+        es = x.element_size()
+        _, br0, bh, nw0, p0, _ = kernels.fwd_plan(H, es)
+        default = {"looped": False, "block_r": br0, "num_warps": nw0, "programs_per_sm": p0}
+        cfgs = [default]
+        for br in (1, 2, 4, 8):
+            for nw in (4, 8, 16):
+                ept = br * bh // (nw * 32)
+                if 4 <= ept <= 64:
+                    cfgs += [{"looped": False, "block_r": br, "num_warps": nw,
+                              "programs_per_sm": p} for p in (0, 2)]
+        cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
+        res = _sweep(f"fwd {str(dt)[6:]} {ROWS}x{H}", 2 * x.numel() * es,
+                     lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), cfgs, bw)
+        best = _better(res, default)
+        if best is not None:
+            kernels._FWD_TUNED[(es, bh)] = (best["block_r"], best["num_warps"])
+            if best["programs_per_sm"]:
+                kernels._FWD_PERSISTENT[(es, bh)] = best["programs_per_sm"]
+            else:
+                kernels._FWD_PERSISTENT.pop((es, bh), None)
+            kernels.clear_plan_caches()
+            log(f"APPLY _FWD_TUNED[({es}, {bh})] = {kernels._FWD_TUNED[(es, bh)]}, "
+                f"persistent per SM {best['programs_per_sm']}")
+
+
 def tune_coop(bw):
     """Cooperative long-row kernels per dtype: slice bytes and warps, against the two-pass
     kernels (fwd and bwd timed apart); the best per (kernel, element size) is applied."""
@@ -533,8 +565,8 @@ def table(bw, baselines, large):
 
 def main():
     p = argparse.ArgumentParser()
-    for flag in ("check", "overhead", "tune", "tune_large", "tune_coop", "table", "large",
-                 "baselines"):
+    for flag in ("check", "overhead", "tune", "tune_fwd", "tune_large", "tune_coop", "table",
+                 "large", "baselines"):
         p.add_argument("--" + flag.replace("_", "-"), action="store_true")
     p.add_argument("--budget-s", type=float, default=float("inf"))
     a = p.parse_args()
@@ -557,6 +589,9 @@ def main():
         log(f"[{time.time() - t0:.0f}s]")
     if a.tune_large:
         tune_large(bw)
+        log(f"[{time.time() - t0:.0f}s]")
+    if a.tune_fwd:
+        tune_fwd(bw)
         log(f"[{time.time() - t0:.0f}s]")
     if a.tune_coop:
         tune_coop(bw)
