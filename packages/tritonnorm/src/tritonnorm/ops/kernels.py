@@ -19,7 +19,9 @@ Two layouts, picked by the row length H:
   registers, and a second kernel writes dx from the per-(row, slice) partial dot products.
 
 The [n_programs, H] float32 partial weight gradients are then summed over programs by one
-column sum of fixed shape: no atomics anywhere, so two runs give bitwise the same dweight.
+column sum of fixed shape. Nothing is accumulated with atomics (the cooperative kernels
+use atomic exchanges only to publish a partial, summed by every reader in a fixed order),
+so two runs give bitwise the same dweight and dx.
 """
 
 from __future__ import annotations
