@@ -26,7 +26,7 @@ from lab2bench.report import markdown_table, plot_sweep, progress
 from lab2bench.suites import Suite, register_suite
 from lab2bench.timing import Stats, measure
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "MemorySnapshot",
