@@ -49,3 +49,29 @@ def test_breakdown_of_adamw():
     # exp_avg and exp_avg_sq, plus a scalar step tensor per parameter.
     assert 8 * n <= parts["optim_state_bytes"] <= 8 * n + 64
     assert len(optimizer_state_tensors(opt)) == 6
+
+
+def test_ddp_rows_exposed_shares():
+    # Two ranks, two variants; cumulative phase times in seconds per step.
+    import argparse
+
+    from lab2_trainer.bench.ddp import add_rows
+    from lab2_trainer.bench.report import SuiteOutput
+
+    def steps(total):
+        return [{"forward": 0.01, "backward": 0.05, "sync": total - 0.01, "optimizer": total}]
+
+    ranks = [{"params": 10, "local": {"steps": steps(0.100)}, "torch": {"steps": steps(0.125)},
+              "overlap": {"torch": {"nccl_ms": 20.0, "hidden_ms": 15.0, "hidden_share": 0.75}}},
+             {"params": 10, "local": {"steps": steps(0.098)}, "torch": {"steps": steps(0.120)},
+              "overlap": {"torch": {"nccl_ms": 20.0, "hidden_ms": 17.0, "hidden_share": 0.85}}}]
+    args = argparse.Namespace(world_size=2, device="cpu", precision="fp32", batch_size=1,
+                              context_length=8, steps=1, rounds=1, warmup=0)
+    out = SuiteOutput("ddp", None)
+    add_rows(out, args, "tiny", ["local", "torch"], ranks)
+    local, torch_row = out.rows
+    assert local["nccl_exposed_share"] is None and local["exposed_share_vs_local"] == 0
+    assert torch_row["step_ms"] == pytest.approx(125.0)  # the slowest rank's step
+    assert torch_row["exposed_share_vs_local"] == pytest.approx(25.0 / 125.0)
+    assert torch_row["overlap_share"] == pytest.approx(0.80)
+    assert torch_row["nccl_exposed_share"] == pytest.approx(4.0 / 125.0)  # mean of 5 and 3 ms

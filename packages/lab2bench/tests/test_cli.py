@@ -38,12 +38,18 @@ def test_norm_quick(tmp_path, capsys):
     assert {"torch-naive", "F.layer_norm"} <= impls
     assert {r["config"]["H"] for r in measured} == {64, 256}
     for r in measured:
+        assert r["config"]["timing"] == "eager"  # the CPU default
         m = r["metrics"]
         assert m["fwd_ms"] > 0 and m["fwdbwd_ms"] > 0 and m["fwd_pct"] > 0
         assert m["rel_err"] < 1e-5
         assert r["env"]["device"] == "cpu"
     assert (out / "norm.md").read_text().startswith("# RMSNorm")
     assert (out / "norm_fwdbwd_float32.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_norm_graph_timing_needs_cuda():
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["norm", "--quick", "--timing", "graph"])
 
 
 def test_comm_quick(world_size, tmp_path, capsys):
