@@ -93,6 +93,21 @@ def test_cooperative_kernels_one_slice(kernel_device, dtype, rows):
     _check_kernels(x, w, dy, {"looped": True, "coop": True, "coop_block": 128})
 
 
+@given(rows=st.integers(1, 10_000), cols=st.integers(1, 1 << 22),
+       block=st.sampled_from([16, 1024, 4096, 8192, 16384]), programs=st.integers(1, 264))
+def test_cooperative_grid_fits_and_covers_every_column(rows, cols, block, programs):
+    # The waits are safe only if every program of the grid can be resident at once: the
+    # grid must never exceed the programs asked for (one per SM), and slices must cover
+    # the row exactly once.
+    layout = _kernels().coop_layout(rows, cols, block, programs)
+    if layout is None:
+        assert -(-cols // block) > programs
+        return
+    n_slices, n_groups = layout
+    assert 1 <= n_groups <= rows and n_slices * n_groups <= programs
+    assert (n_slices - 1) * block < cols <= n_slices * block
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="several programs wait for each "
                     "other: needs a GPU (the interpreter runs programs one at a time)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

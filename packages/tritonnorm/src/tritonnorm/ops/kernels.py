@@ -627,11 +627,23 @@ def _coop_plan(x: torch.Tensor, n_rows: int, n_cols: int, config: dict | None,
     if config:
         block = config.get("coop_block", block)
         num_warps = config.get("coop_warps", num_warps)
+    if x.get_device() < 0 and n_cols > block:
+        return None  # programs that wait for each other cannot run one at a time
+    layout = coop_layout(n_rows, n_cols, block, _n_programs(x, 1))
+    return None if layout is None else (block, *layout, num_warps)
+
+
+def coop_layout(n_rows: int, n_cols: int, block: int, max_programs: int
+                ) -> tuple[int, int] | None:
+    """(slices per row, groups) of a cooperative grid of at most ``max_programs``.
+
+    A row of ``n_cols`` takes ``ceil(n_cols / block)`` slices, one program each; the grid
+    holds as many whole groups as fit (never more than there are rows). None when one
+    group alone would not fit: its programs could not all be resident together.
+    """
     n_slices = _cdiv(n_cols, block)
-    n_groups = min(n_rows, _n_programs(x, 1) // n_slices)
-    if n_groups < 1 or (x.get_device() < 0 and n_slices > 1):
-        return None
-    return block, n_slices, n_groups, num_warps
+    n_groups = min(n_rows, max_programs // n_slices)
+    return (n_slices, n_groups) if n_groups >= 1 else None
 
 
 def _n_programs(x: torch.Tensor, per_sm: int) -> int:
