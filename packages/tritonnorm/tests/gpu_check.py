@@ -503,10 +503,11 @@ def tune_coop(bw):
     for kind in ("fwd", "bwd"):
         table = kernels.COOP_FWD if kind == "fwd" else kernels.COOP_BWD
         for es in sorted({k[1] for k in totals if k[0] == kind}):
-            # Least summed time per byte over that element size's shapes.
+            # Least summed time per byte over that element size's shapes (configs that
+            # ran on all of them; key[2] == 0 is the two-pass baseline).
+            n_shapes = sum(dt.itemsize == es for dt, _ in shapes)
             timed = {k[2:]: sum(v) for k, v in totals.items()
-                     if k[:2] == (kind, es) and k[2] and len(v) == len(totals.get(
-                         (kind, es, 0, 0), v))}
+                     if k[:2] == (kind, es) and k[2] and len(v) == n_shapes}
             if not timed:
                 continue
             best = min(timed, key=timed.get)

@@ -484,6 +484,7 @@ def rms_norm_fwd(
         per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_FWD_PER_SM)
         chunk = min(config.get("chunk", chunk), block_h)
     coop = _coop_plan(x, n_rows, n_cols, config) if looped else None
+    args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
     if coop is not None:
         block, n_slices, n_groups, num_warps = coop
         slots = torch.zeros((n_rows, n_slices), dtype=torch.int64, device=x2.device)
@@ -491,9 +492,7 @@ def rms_norm_fwd(
                 (x2, w, y2, rstd, slots, n_rows, n_cols, n_slices, x2.stride(0),
                  n_cols, eps),
                 (block, _pow2_at_least(n_slices)), num_warps)
-        return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
-    args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
-    if looped:
+    elif looped:
         # One row per program at a time, read twice (sum of squares, then normalise). With
         # few programs per SM the rows in flight fit in L2, so the second read hits it.
         grid = (min(n_rows, _n_programs(x, per_sm)), 1, 1)

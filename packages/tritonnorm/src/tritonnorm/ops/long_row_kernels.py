@@ -126,6 +126,24 @@ def _row_total(SLOTS, row, n_slices, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _group_slice(n_slices, BLOCK_H: tl.constexpr):
+    # Which part of the work this program of a cooperative grid owns: its group g (rows g,
+    # g + n_groups, ...), the number of groups, and its slice s of every row (columns).
+    pid = tl.program_id(0)
+    s = pid % n_slices
+    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    return pid // n_slices, tl.num_programs(0) // n_slices, s, cols
+
+
+@triton.jit
+def _row_slice(PTR, row, stride, cols, n_rows, n_cols):
+    # One row's slice; all masked off past the last row (a group's final iteration only
+    # finishes the row before, and its prefetch reaches one row beyond).
+    return tl.load(PTR + tl.cast(row, tl.int64) * stride + cols,
+                   mask=cols < tl.where(row < n_rows, n_cols, 0), other=0.0)
+
+
+@triton.jit
 def _fwd_coop_kernel(
     X, W, Y, RSTD, SLOTS, n_rows, n_cols, n_slices, stride_x, stride_y, eps,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -136,25 +154,19 @@ def _fwd_coop_kernel(
     # The wait is one row behind: a program publishes row i's partial, then finishes row
     # i-1 (whose partials have long arrived), so the exchange rarely stalls. Every program
     # of the grid must be resident at once (the launcher sizes the grid so).
-    pid = tl.program_id(0)
-    n_groups = tl.num_programs(0) // n_slices
-    g = pid // n_slices
-    s = pid % n_slices
-    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    g, n_groups, s, cols = _group_slice(n_slices, BLOCK_H)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     # The next row's slice is loaded one iteration ahead, so that a load is in flight
-    # while the program reduces, waits and writes (past the last row loads are masked off).
-    x_next = tl.load(X + tl.cast(g, tl.int64) * stride_x + cols, mask=col_ok, other=0.0)
+    # while the program reduces, waits and writes.
+    x_next = _row_slice(X, g, stride_x, cols, n_rows, n_cols)
     n_iter = tl.cdiv(n_rows - g, n_groups)
     for it in range(0, n_iter + 1):
         row = g + it * n_groups
         live = row < n_rows
         x = x_next
-        nxt = row + n_groups
-        x_next = tl.load(X + tl.cast(nxt, tl.int64) * stride_x + cols,
-                         mask=cols < tl.where(nxt < n_rows, n_cols, 0), other=0.0)
+        x_next = _row_slice(X, row + n_groups, stride_x, cols, n_rows, n_cols)
         if live:
             xf = x.to(tl.float32)
             _publish_partial(SLOTS, row, s, n_slices, tl.sum(xf * xf, axis=0))
@@ -179,31 +191,23 @@ def _bwd_coop_kernel(
     # read once and kept in registers while the group exchanges the partial dot products
     # sum(g * dy * x_hat) that dx needs; the dweight slice accumulates in registers and is
     # stored once per program into DW_PART[group] (summed over groups afterwards).
-    pid = tl.program_id(0)
-    n_groups = tl.num_programs(0) // n_slices
-    g = pid // n_slices
-    s = pid % n_slices
-    cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    g, n_groups, s, cols = _group_slice(n_slices, BLOCK_H)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     dy_prev = tl.zeros([BLOCK_H], dtype=DY.dtype.element_ty)
     # As in the forward, the next row's slices are loaded one iteration ahead.
-    g64 = tl.cast(g, tl.int64)
-    x_next = tl.load(X + g64 * stride_x + cols, mask=col_ok, other=0.0)
-    dy_next = tl.load(DY + g64 * stride_dy + cols, mask=col_ok, other=0.0)
+    x_next = _row_slice(X, g, stride_x, cols, n_rows, n_cols)
+    dy_next = _row_slice(DY, g, stride_dy, cols, n_rows, n_cols)
     n_iter = tl.cdiv(n_rows - g, n_groups)
     for it in range(0, n_iter + 1):
         row = g + it * n_groups
         live = row < n_rows
         x = x_next
         dy = dy_next
-        nxt = row + n_groups
-        nxt64 = tl.cast(nxt, tl.int64)
-        ok = cols < tl.where(nxt < n_rows, n_cols, 0)  # all off past the last row
-        x_next = tl.load(X + nxt64 * stride_x + cols, mask=ok, other=0.0)
-        dy_next = tl.load(DY + nxt64 * stride_dy + cols, mask=ok, other=0.0)
+        x_next = _row_slice(X, row + n_groups, stride_x, cols, n_rows, n_cols)
+        dy_next = _row_slice(DY, row + n_groups, stride_dy, cols, n_rows, n_cols)
         rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # x_hat is 0 past the last row
         x_hat = x.to(tl.float32) * rstd
         if HAS_DW:
