@@ -228,10 +228,18 @@ def measure(
         synchronize(dev)
         if cuda_graph:
             samples = _timed_graph_replays(fn, repeats, dev, flush, backward, grad_template)
-            return Stats.from_samples(samples)
-        samples = _timed_calls(fn, repeats, dev, use_events, timer, flush, backward,
-                               grad_template, sync_cpu_path=clock is None)
+        else:
+            samples = _timed_calls(fn, repeats, dev, use_events, timer, flush, backward,
+                                   grad_template, sync_cpu_path=clock is None)
     return Stats.from_samples(samples)
+
+
+def _call(fn: Callable[[], Any], backward: bool, grad: torch.Tensor | None) -> Any:
+    """``fn()``, then (with ``backward``) backward from its output with ``grad``."""
+    out = fn()
+    if backward:
+        _first_tensor(out).backward(grad)
+    return out
 
 
 def _timed_calls(fn: Callable[[], Any], repeats: int, dev: torch.device, use_events: bool,
@@ -246,9 +254,7 @@ def _timed_calls(fn: Callable[[], Any], repeats: int, dev: torch.device, use_eve
         # A fresh gradient each call, made outside the timed region.
         g = grad_template.clone() if backward and grad_template is not None else None
         t0 = timer()
-        out = fn()
-        if backward:
-            _first_tensor(out).backward(g)
+        out = _call(fn, backward, g)
         if sync_cpu_path:
             synchronize(dev)
         samples.append(timer() - t0)
@@ -259,37 +265,18 @@ def _timed_calls(fn: Callable[[], Any], repeats: int, dev: torch.device, use_eve
 def _timed_calls_cuda(fn: Callable[[], Any], repeats: int, dev: torch.device,
                       flush: torch.Tensor | None, backward: bool,
                       grad_template: torch.Tensor | None) -> list[float]:
-    # One pair of events per call and a single synchronisation at the end: the host
-    # queues the calls back to back, as a training loop does, so host overhead shows
-    # only where it exceeds the device time (``triton.testing.do_bench`` works so too).
-    # The flush and the gradient copy are queued before each start event: untimed.
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for start, end in zip(starts, ends):
-        if flush is not None:
-            flush.zero_()
-        g = grad_template.clone() if backward and grad_template is not None else None
-        start.record()
-        out = fn()
-        if backward:
-            _first_tensor(out).backward(g)
-        end.record()
-        del out
-    torch.cuda.synchronize(dev)
-    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    # A fresh gradient for each call, copied before its start event: untimed.
+    return _event_times(
+        repeats, dev, flush,
+        prepare=lambda: (grad_template.clone() if backward and grad_template is not None
+                         else None),
+        run=lambda g: _call(fn, backward, g))
 
 
 def _timed_graph_replays(fn: Callable[[], Any], repeats: int, dev: torch.device,
                          flush: torch.Tensor | None, backward: bool,
                          grad_template: torch.Tensor | None) -> list[float]:
     static_grad = grad_template.clone() if backward and grad_template is not None else None
-
-    def call() -> Any:
-        out = fn()
-        if backward:
-            _first_tensor(out).backward(static_grad)
-        return out
-
     # PyTorch's rule for capturing autograd: warm up on a side stream first, so that
     # the lazily made state (autograd's per-device streams, workspaces) exists before
     # the capture begins.
@@ -297,25 +284,40 @@ def _timed_graph_replays(fn: Callable[[], Any], repeats: int, dev: torch.device,
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         for _ in range(2):
-            call()
+            _call(fn, backward, static_grad)
     torch.cuda.current_stream(dev).wait_stream(side)
     synchronize(dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = call()
+        out = _call(fn, backward, static_grad)  # kept alive while the replays write it
+    # A graph launch costs the host a few microseconds, and the flush kernel before each
+    # start keeps the device busy meanwhile, so no host gap lands inside the timed region.
+    samples = _event_times(
+        repeats, dev, flush,
+        # Some backwards (Liger's) write into the gradient: restore it before each replay.
+        prepare=lambda: static_grad.copy_(grad_template) if static_grad is not None else None,
+        run=lambda _: graph.replay())
+    del out
+    return samples
+
+
+def _event_times(repeats: int, dev: torch.device, flush: torch.Tensor | None,
+                 prepare: Callable[[], Any], run: Callable[[Any], Any]) -> list[float]:
+    """Seconds of ``run(prepare())`` per call, between two CUDA events each.
+
+    One pair of events per call and a single synchronisation at the end: the host queues
+    the calls back to back, as a training loop does, so host overhead shows only where it
+    exceeds the device time (``triton.testing.do_bench`` works so too). The L2 flush and
+    ``prepare`` are queued before each start event: untimed.
+    """
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    # Replays queue back to back like the eager calls; a graph launch costs the host a
-    # few microseconds, and the flush kernel before each start keeps the device busy
-    # meanwhile, so no host gap lands inside the timed region.
     for start, end in zip(starts, ends):
         if flush is not None:
             flush.zero_()
-        if static_grad is not None:
-            static_grad.copy_(grad_template)  # some backwards (Liger's) write into it
+        arg = prepare()
         start.record()
-        graph.replay()
+        run(arg)
         end.record()
     torch.cuda.synchronize(dev)
-    del out, graph
     return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]

@@ -180,7 +180,7 @@ def _measure_impl(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 continue
-            out["timings"][timing] = {"status": "ok", "fwd": fwd, "fwdbwd": fwdbwd}
+            out["timings"][timing] = {"status": "ok", "note": "", "fwd": fwd, "fwdbwd": fwdbwd}
     finally:
         xg.grad = None
         for p in (w, b):
@@ -241,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
             for timing_name, timed in per_timing.items():
                 row: dict[str, Any] = {"dtype": dtype_name, "H": hidden, "rows": nrows,
                                        "impl": name, "timing": timing_name,
-                                       "status": timed["status"], "note": timed["note"]
-                                       if timed["status"] != "ok" else ""}
+                                       "status": timed["status"], "note": timed["note"]}
                 if timed["status"] != "ok":
                     notes.append(f"{name} ({timing_name}) at {dtype_name} H={hidden} "
                                  f"rows={nrows}: {timed['status']}: {timed['note']}")
