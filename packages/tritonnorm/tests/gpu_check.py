@@ -358,21 +358,17 @@ def tune(bw):
         es = x.element_size()
         _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
         name = f"{str(dt)[6:]} {rows}x{H}"
-        _, br0, bh, nw0, p0, _, rs0 = kernels.bwd_plan(H, es)
-        default = {"block_r": br0, "num_warps": nw0, "programs_per_sm": p0, "row_sum": rs0}
+        _, br0, bh, nw0, p0, _, rs0, st0 = kernels.bwd_plan(H, es)
+        keys = ("block_r", "num_warps", "programs_per_sm", "row_sum", "stages")
+        default = dict(zip(keys, (br0, nw0, p0, rs0, st0)))
         cfgs = [default]
-        if H <= 2048:
-            grid = [(4, 4, 2), (4, 8, 2), (4, 8, 4), (8, 8, 1), (8, 8, 2), (8, 16, 1),
-                    (8, 16, 2), (16, 16, 1), (16, 16, 2), (16, 8, 2), (32, 16, 1)]
-            for br, nw, per_sm in grid:
-                for rs in (False, True) if es == 2 and br >= 8 else (False,):
-                    ept = br * H // (nw * 32)
-                    if 8 <= ept <= (64 if rs else 32):
-                        cfgs.append({"block_r": br, "num_warps": nw, "programs_per_sm": per_sm,
-                                     "row_sum": rs})
-        else:
-            cfgs += [{"block_r": 1, "num_warps": nw, "programs_per_sm": p, "row_sum": False}
-                     for nw, p in ((8, 2), (16, 2), (32, 1), (8, 4))]
+        # Tiles of 4-64 elements per thread; pipelined (stages > 1) or register-prefetched.
+        for br, nw, per_sm, st, rs in itertools.product((1, 2, 4, 8), (4, 8, 16), (1, 2),
+                                                        (1, 3, 4), (False, True)):
+            ept = br * H // (nw * 32)
+            smem = br * H * es * 2 * st * per_sm
+            if 4 <= ept <= 64 and smem <= 220_000 and not (per_sm == 2 and nw == 16):
+                cfgs.append(dict(zip(keys, (br, nw, per_sm, rs, st))))
         cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
         res = _sweep(f"bwd {name}", 3 * x.numel() * es,
                      lambda cfg, x=x, w=w, dy=dy, r=rstd: kernels.rms_norm_bwd(dy, x, w, r,
@@ -380,7 +376,7 @@ def tune(bw):
                      cfgs, bw)
         best = _better(res, default)
         if best is not None:
-            value = (best["block_r"], best["num_warps"], best["programs_per_sm"], best["row_sum"])
+            value = tuple(best[k] for k in keys)
             kernels._BWD_TUNED[(es, bh)] = value
             kernels.clear_plan_caches()
             log(f"APPLY _BWD_TUNED[({es}, {bh})] = {value}")
@@ -438,41 +434,35 @@ def tune_large(bw):
         log("APPLY MAX_FUSED_BLOCK_FWD = 16384")
     elif res and res[0][2]["num_warps"] == 32 and res[0][1] * 1.02 < min(
             r[1] for r in res if r[2] is fused):
-        kernels._FWD_TUNED[(2, 32768)] = (1, 32)
+        kernels._FWD_TUNED[(2, 32768)] = (1, 32, 0)
         kernels.clear_plan_caches()
-        log("APPLY _FWD_TUNED[(2, 32768)] = (1, 32)")
+        log("APPLY _FWD_TUNED[(2, 32768)] = (1, 32, 0)")
 
 
 def tune_fwd(bw):
-    """Forward launch configs (fused, and persistent with prefetch) where the forward was
-    below 90% or behind torch.compile; winners by more than 2% go into the tables."""
-    cells = [(torch.float32, 1024), (torch.float32, 2048), (torch.bfloat16, 1024),
-             (torch.bfloat16, 8192)]
+    """Forward launch configs (one read of x, or two with the second from L2) in every
+    50,000-row cell; winners by more than 2% go into the table."""
+    cells = [(dt, H) for dt in (torch.float32, torch.bfloat16) for H in HS]
     for dt, H in cells:
         x, w, _ = make(ROWS, H, dt)
         es = x.element_size()
-        _, br0, bh, nw0, p0, _ = kernels.fwd_plan(H, es)
-        default = {"looped": False, "block_r": br0, "num_warps": nw0, "programs_per_sm": p0}
+        _, br0, bh, nw0, _, ch0 = kernels.fwd_plan(H, es)
+        keys = ("block_r", "num_warps", "chunk")
+        default = dict(zip(keys, (br0, nw0, ch0)))
         cfgs = [default]
-        for br in (1, 2, 4, 8):
-            for nw in (4, 8, 16):
-                ept = br * bh // (nw * 32)
-                if 4 <= ept <= 64:
-                    cfgs += [{"looped": False, "block_r": br, "num_warps": nw,
-                              "programs_per_sm": p} for p in (0, 2)]
+        for br, nw, ch in itertools.product((1, 2, 4, 8), (4, 8, 16),
+                                            (0, 512, 1024, 2048, 4096)):
+            ept = br * (ch or bh) // (nw * 32)  # elements per thread in registers
+            if 4 <= ept <= 64 and ch <= bh:
+                cfgs.append(dict(zip(keys, (br, nw, ch))))
         cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
         res = _sweep(f"fwd {str(dt)[6:]} {ROWS}x{H}", 2 * x.numel() * es,
                      lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), cfgs, bw)
         best = _better(res, default)
         if best is not None:
-            kernels._FWD_TUNED[(es, bh)] = (best["block_r"], best["num_warps"])
-            if best["programs_per_sm"]:
-                kernels._FWD_PERSISTENT[(es, bh)] = best["programs_per_sm"]
-            else:
-                kernels._FWD_PERSISTENT.pop((es, bh), None)
+            kernels._FWD_TUNED[(es, bh)] = tuple(best[k] for k in keys)
             kernels.clear_plan_caches()
-            log(f"APPLY _FWD_TUNED[({es}, {bh})] = {kernels._FWD_TUNED[(es, bh)]}, "
-                f"persistent per SM {best['programs_per_sm']}")
+            log(f"APPLY _FWD_TUNED[({es}, {bh})] = {kernels._FWD_TUNED[(es, bh)]}")
 
 
 def tune_coop(bw):

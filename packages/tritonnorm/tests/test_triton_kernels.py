@@ -67,6 +67,21 @@ def test_looped_path(kernel_device, monkeypatch, dtype):
     _check(x, w, dy)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", [{"chunk": 32, "block_r": 4}, {"chunk": 128, "block_r": 1},
+                                 {"chunk": 64, "block_r": 2, "num_warps": 2}], ids=str)
+def test_forward_reread_path(kernel_device, dtype, cfg):
+    # The forward that reads x twice (sum of squares, then normalise from L2), on rows that
+    # take several chunks, one chunk, or end in a partial chunk (H = 100).
+    k = _kernels()
+    x, w, _ = random_inputs((11, 100), dtype, torch.float32, seed=5, device=kernel_device)
+    y_ref, _, _ = reference_grads(x, w, torch.ones_like(x), 1e-5)
+    y, rstd = k.rms_norm_fwd(x, w, 1e-5, config=cfg)
+    y1, rstd1 = k.rms_norm_fwd(x, w, 1e-5, config={"chunk": 0})
+    assert rel_err(y, y_ref) < TOL[dtype]
+    torch.testing.assert_close(rstd, rstd1, rtol=1e-5, atol=0)
+
+
 def _check_kernels(x, w, dy, cfg, eps=1e-5):
     """rms_norm_fwd/bwd with a launch config, every gradient combination, vs float64."""
     k = _kernels()
@@ -125,8 +140,9 @@ def test_cooperative_kernels_many_slices(dtype, rows, cols, block):
 
 @pytest.mark.parametrize("reduce", ["triton", "torch"])
 def test_backward_options_agree(kernel_device, monkeypatch, reduce):
-    # The tuning knobs (ROW_SUM accumulation, the dweight reduction) change only the order
-    # of float32 additions: every variant stays within tolerance of float64.
+    # The tuning knobs (ROW_SUM accumulation, the dweight reduction, how the loop keeps
+    # loads in flight) change only the order of float32 additions or none: every variant
+    # stays within tolerance of float64.
     k = _kernels()
     monkeypatch.setattr(k, "DW_REDUCE", reduce)
     x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
@@ -135,6 +151,8 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
     _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
     for cfg in ({"block_r": 4, "row_sum": True}, {"block_r": 2, "programs_per_sm": 2},
+                {"block_r": 2, "stages": 3, "row_sum": True}, {"block_r": 4, "stages": 4},
+                {"stages": 1, "prefetch": True}, {"stages": 1, "prefetch": False},
                 {"looped": True, "chunk": 32}, {"looped": True, "coop": False, "chunk": 32}):
         dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
         assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]

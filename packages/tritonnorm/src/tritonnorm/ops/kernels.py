@@ -3,10 +3,11 @@
 Three kinds, picked by the row length H:
 
 * fused ("rows") kernels (here), for rows that fit one block of registers: the forward
-  reads a tile of BLOCK_R rows once and writes y and one float32 rstd per row; the
-  backward is a persistent grid (a few programs per SM) whose programs walk over row
-  tiles, write dx and keep a float32 partial weight gradient in registers, stored once per
-  program into a [n_programs, H] buffer.
+  reads a tile of BLOCK_R rows once (or, where it measured faster, twice: the second
+  read from L2) and writes y and one float32 rstd per row; the backward is a persistent
+  grid (a few programs per SM) whose programs walk over row tiles, with the next tiles'
+  loads in flight, write dx and keep a float32 partial weight gradient in registers,
+  stored once per program into a [n_programs, H] buffer.
 * cooperative kernels (``long_row_kernels``), for longer rows on the GPU: each row is split
   over a group of co-resident programs (16-32 KiB of it each, held in registers) that
   exchange partial sums through memory, so x (and dy) are read once.
@@ -74,14 +75,19 @@ def _fwd_rows_kernel(
 def _bwd_rows_kernel(
     X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols, stride_x, stride_dy, stride_dx,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
-    PREFETCH: tl.constexpr, ROW_SUM: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_SUM: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent grid: program pid walks over row tiles pid, pid + P, ...; writes dx per
-    # tile and keeps its share of dweight in float32 registers until the end. With
-    # PREFETCH the next tile's x and dy are loaded before the current one is worked on
-    # (software pipelining by hand), so a program always has a tile's worth of loads in
-    # flight; without it (very long rows, where two tiles would not fit in registers)
-    # each tile is loaded when its turn comes.
+    # tile and keeps its share of dweight in float32 registers until the end. A program
+    # needs loads in flight while it works on a tile, in one of two ways:
+    # * STAGES > 1: Triton's loop pipeliner copies the next STAGES - 1 tiles' x, dy and
+    #   rstd into shared memory asynchronously (cp.async), so the registers hold only the
+    #   tile being worked on. Best for 16-bit rows, whose tiles are small: one tile in
+    #   flight is too few bytes to cover the memory latency.
+    # * PREFETCH (with STAGES = 1): the next tile is loaded into registers before the
+    #   current one is worked on (software pipelining by hand), one tile in flight.
+    # With neither (very long rows, where two tiles would not fit in registers) each tile
+    # is loaded when its turn comes.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -100,7 +106,7 @@ def _bwd_rows_kernel(
     rows64 = rows.to(tl.int64)
     x_next = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     dy_next = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-    for tile in range(pid, n_tiles, n_prog):
+    for tile in tl.range(pid, n_tiles, n_prog, num_stages=STAGES):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
@@ -142,35 +148,37 @@ def _bwd_rows_kernel(
 
 
 @triton.jit
-def _fwd_rows_persistent_kernel(
+def _fwd_rows_reread_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # As _fwd_rows_kernel, but a persistent grid that prefetches its next tile.
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    n_tiles = tl.cdiv(n_rows, BLOCK_R)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
-    x_next = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
-                     other=0.0)
-    for tile in range(pid, n_tiles, n_prog):
-        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < n_rows
+    # As _fwd_rows_kernel, but x is read twice, CHUNK columns at a time: once for the sum
+    # of squares, marked to stay in L2 (evict_last), then again (from L2, evict_first) to
+    # normalise. A program holds one chunk in registers instead of its whole tile, so more
+    # programs fit on an SM and more loads are in flight; where that outweighs the second
+    # read (served by L2, not HBM) it is faster. torch.compile's forward works this way.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_R, CHUNK], dtype=tl.float32)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        col_ok = cols < n_cols
         mask = row_ok[:, None] & col_ok[None, :]
-        x = x_next.to(tl.float32)
-        nrows = rows + n_prog * BLOCK_R
-        nmask = (nrows < n_rows)[:, None] & col_ok[None, :]
-        x_next = tl.load(X + nrows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=nmask,
-                         other=0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        y = x * rstd[:, None] * w[None, :]
-        tl.store(Y + rows.to(tl.int64)[:, None] * stride_y + cols[None, :],
-                 y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + rows, rstd, mask=row_ok)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last")
+        y = x * rstd[:, None] * w.to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -298,23 +306,28 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # Launch configurations measured best on an H200 (50,000 rows; see the package README):
-# (element size in bytes, BLOCK_H) -> (BLOCK_R, num_warps) for the forward,
-# and -> (BLOCK_R, num_warps, programs per SM) for the persistent backward.
+# (element size in bytes, BLOCK_H) -> (BLOCK_R, num_warps, CHUNK) for the forward, where
+# CHUNK 0 reads each row once (_fwd_rows_kernel) and CHUNK > 0 reads it twice, the second
+# time from L2 (_fwd_rows_reread_kernel). The re-read won where a whole tile in registers
+# is 8-16 KiB per program (third H200 sweep, kernel alone, graph-timed): float32 x 2048
+# 199.5 -> 193.9 us, 16-bit x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
 _FWD_TUNED = {
-    (4, 1024): (1, 4), (4, 2048): (4, 4), (4, 4096): (4, 16), (4, 8192): (1, 16),
-    (2, 1024): (4, 8), (2, 2048): (1, 4), (2, 4096): (4, 8), (2, 8192): (2, 4),
+    (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (4, 16, 0),
+    (4, 8192): (1, 16, 0), (2, 1024): (4, 8, 0), (2, 2048): (1, 4, 0),
+    (2, 4096): (1, 8, 2048), (2, 8192): (1, 16, 4096),
 }
-# (element size, BLOCK_H) -> programs per SM where a persistent forward measured faster.
-_FWD_PERSISTENT: dict[tuple[int, int], int] = {}
-# -> (BLOCK_R, num_warps, programs per SM, ROW_SUM) for the persistent backward. The
-# 2-byte H = 1024 entry is from the second H200 sweep: 8 rows x 8 warps, 71% of copy
-# bandwidth for the backward kernel alone against 63% with 16 warps; more programs per SM,
-# taller tiles and ROW_SUM all measured slower there.
+# -> (BLOCK_R, num_warps, programs per SM, ROW_SUM, STAGES) for the persistent backward;
+# STAGES 1 prefetches one tile into registers, STAGES > 1 pipelines that many through
+# shared memory. From the third H200 sweep (kernel plus the dweight sum, graph-timed): the
+# pipelined loop took the 16-bit backward from 75% to 84% of copy bandwidth at H = 1024,
+# 89% to 93% at 2048, 91% to 96% at 4096 and 90% to 98% at 8192; in float32 it gained 1%
+# at 1024 and lost 1-3% at 4096 and 8192, where one register tile is already 16-32 KiB.
 _BWD_TUNED = {
-    (4, 1024): (8, 16, 1, False), (4, 2048): (4, 8, 1, False), (4, 4096): (2, 16, 1, False),
-    (4, 8192): (1, 8, 1, False), (2, 1024): (8, 8, 1, False), (2, 2048): (2, 8, 2, False),
-    (2, 4096): (2, 16, 1, False), (2, 8192): (1, 16, 1, False),
-    (4, 16384): (1, 16, 1, False), (2, 16384): (1, 16, 1, False),
+    (4, 1024): (4, 8, 1, False, 3), (4, 2048): (4, 8, 1, False, 1),
+    (4, 4096): (2, 16, 1, False, 1), (4, 8192): (1, 8, 1, False, 1),
+    (2, 1024): (2, 4, 2, True, 4), (2, 2048): (4, 4, 1, True, 3),
+    (2, 4096): (2, 8, 1, False, 3), (2, 8192): (1, 16, 1, False, 3),
+    (4, 16384): (1, 16, 1, False, 1), (2, 16384): (1, 16, 1, False, 1),
 }
 
 
@@ -344,32 +357,41 @@ COOP_BWD = {2: (16384, 8), 4: (16384, 16)}
 
 
 @functools.lru_cache(maxsize=1024)
-def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_H, num_warps) of the fused forward for rows of ``n_cols`` elements."""
+def fwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps, CHUNK) of the fused forward for rows of ``n_cols``.
+
+    CHUNK 0: one read of x; else x is read twice, CHUNK columns at a time (see
+    ``_fwd_rows_reread_kernel``).
+    """
     block_h = max(16, triton.next_power_of_2(n_cols))
     if (elem_size, block_h) in _FWD_TUNED:
-        block_r, num_warps = _FWD_TUNED[(elem_size, block_h)]
-        return block_r, block_h, num_warps
+        block_r, num_warps, chunk = _FWD_TUNED[(elem_size, block_h)]
+        return block_r, block_h, num_warps, chunk
     # Short rows: several per program so each program moves a few KiB; long rows: one.
     block_r = max(1, min(64, 4096 // block_h))
     num_warps = max(1, min(16, block_r * block_h * elem_size // 2048))
-    return block_r, block_h, num_warps
+    return block_r, block_h, num_warps, 0
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_R, BLOCK_H, num_warps, programs per SM, ROW_SUM) of the fused backward."""
+def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int, bool, int]:
+    """(BLOCK_R, BLOCK_H, num_warps, programs per SM, ROW_SUM, STAGES) of the fused backward."""
     block_h = max(16, triton.next_power_of_2(n_cols))
     if (elem_size, block_h) in _BWD_TUNED:
-        block_r, num_warps, per_sm, row_sum = _BWD_TUNED[(elem_size, block_h)]
-        return block_r, block_h, num_warps, per_sm, row_sum
+        block_r, num_warps, per_sm, row_sum, stages = _BWD_TUNED[(elem_size, block_h)]
+        return block_r, block_h, num_warps, per_sm, row_sum, stages
     block_r = max(1, min(64, 8192 // block_h))
     num_warps = max(1, min(16, block_r * block_h // 512))
-    return block_r, block_h, num_warps, 1, False
+    return block_r, block_h, num_warps, 1, False, 1
 
 
 def fwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int]:
-    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM (0: one per tile), CHUNK)."""
+    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK).
+
+    Looped (rows longer than a fused block): a persistent grid of ``programs per SM``, rows
+    read in chunks of CHUNK. Fused: one program per BLOCK_R rows, CHUNK as in
+    ``fwd_config``.
+    """
     return _fwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_FWD, max(1, LOOP_CHUNK * 2 // elem_size),
                      LOOP_FWD_WARPS, LOOP_FWD_PER_SM)
 
@@ -382,25 +404,24 @@ def clear_plan_caches() -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _fwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
-    block_r, block_h, num_warps = fwd_config(n_cols, elem_size)
+    block_r, block_h, num_warps, reread = fwd_config(n_cols, elem_size)
     if block_h > max_block:
         return True, 1, block_h, loop_warps, loop_per_sm, min(chunk, block_h)
-    per_sm = _FWD_PERSISTENT.get((elem_size, block_h), 0)
-    return False, block_r, block_h, num_warps, per_sm, chunk
+    return False, block_r, block_h, num_warps, 0, reread
 
 
-def bwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int, bool]:
-    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK, ROW_SUM)."""
+def bwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int, bool, int]:
+    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK, ROW_SUM, STAGES)."""
     return _bwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_BWD, LOOP_CHUNK_BWD,
                      LOOP_BWD_WARPS, LOOP_BWD_PER_SM)
 
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
-    block_r, block_h, num_warps, per_sm, row_sum = bwd_config(n_cols, elem_size)
+    block_r, block_h, num_warps, per_sm, row_sum, stages = bwd_config(n_cols, elem_size)
     if block_h > max_block:
-        return True, 1, block_h, loop_warps, loop_per_sm, min(chunk, block_h), False
-    return False, block_r, block_h, num_warps, per_sm, chunk, row_sum
+        return True, 1, block_h, loop_warps, loop_per_sm, min(chunk, block_h), False, 1
+    return False, block_r, block_h, num_warps, per_sm, chunk, row_sum, stages
 
 
 def _pow2_at_least(n: int, floor: int = 16) -> int:
@@ -461,8 +482,9 @@ def rms_norm_fwd(
         x: input (*, H) in float32/float16/bfloat16, on CUDA or (interpreter) CPU.
         weight: gain (H,).
         eps: added to the mean square.
-        config: optional overrides (block_r, num_warps, looped, programs_per_sm, chunk)
-            used by the benchmark's tuning sweep.
+        config: optional overrides (looped, block_r, num_warps, programs_per_sm, chunk)
+            used by the benchmark's tuning sweep. For fused rows, chunk 0 reads x once
+            and chunk > 0 twice (see ``fwd_config``).
 
     Returns:
         (y with x's shape and dtype, rstd of shape (rows,) in float32).
@@ -478,11 +500,16 @@ def rms_norm_fwd(
     w = weight if weight.is_contiguous() else weight.contiguous()
     looped, block_r, block_h, num_warps, per_sm, chunk = fwd_plan(n_cols, x.element_size())
     if config:
-        looped = config.get("looped", looped)
+        if config.get("looped", looped) != looped:
+            looped = config["looped"]
+            per_sm, chunk = LOOP_FWD_PER_SM, max(1, LOOP_CHUNK * 2 // x.element_size())
+            num_warps = LOOP_FWD_WARPS if looped else fwd_config(n_cols, x.element_size())[2]
+            chunk = chunk if looped else 0
         block_r = config.get("block_r", block_r)
-        num_warps = config.get("num_warps", num_warps if not looped else LOOP_FWD_WARPS)
-        per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_FWD_PER_SM)
-        chunk = min(config.get("chunk", chunk), block_h)
+        num_warps = config.get("num_warps", num_warps)
+        per_sm = config.get("programs_per_sm", per_sm)
+        chunk = config.get("chunk", chunk)
+    chunk = min(chunk, block_h)
     coop = _coop_plan(x, n_rows, n_cols, config) if looped else None
     args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
     if coop is not None:
@@ -497,9 +524,9 @@ def rms_norm_fwd(
         # few programs per SM the rows in flight fit in L2, so the second read hits it.
         grid = (min(n_rows, _n_programs(x, per_sm)), 1, 1)
         _launch(_fwd_looped_kernel, grid, args, (chunk,), num_warps)
-    elif per_sm:
-        grid = (min(_cdiv(n_rows, block_r), _n_programs(x, per_sm)), 1, 1)
-        _launch(_fwd_rows_persistent_kernel, grid, args, (block_r, block_h), num_warps)
+    elif chunk:
+        _launch(_fwd_rows_reread_kernel, (_cdiv(n_rows, block_r), 1, 1), args,
+                (block_r, chunk), num_warps)
     else:
         grid = (_cdiv(n_rows, block_r), 1, 1)
         _launch(_fwd_rows_kernel, grid, args, (block_r, block_h), num_warps)
@@ -549,7 +576,7 @@ def rms_norm_bwd(
         needs_dx: compute dL/dx (else None is returned in its place).
         needs_dw: compute dL/dweight (else None).
         config: optional overrides (block_r, num_warps, programs_per_sm, looped, chunk,
-            row_sum, prefetch).
+            row_sum, stages, prefetch).
 
     Returns:
         (dx in x's dtype and shape or None, dweight in the weight's dtype or None).
@@ -566,7 +593,7 @@ def rms_norm_bwd(
     dx2 = x2.new_empty((n_rows, n_cols)) if needs_dx else x2
     w = weight if weight.is_contiguous() else weight.contiguous()
     plan = bwd_plan(n_cols, x.element_size())
-    looped, block_r, block_h, num_warps, per_sm, chunk, row_sum = plan
+    looped, block_r, block_h, num_warps, per_sm, chunk, row_sum, stages = plan
     if config:
         looped = config.get("looped", looped)
         block_r = config.get("block_r", block_r)
@@ -574,6 +601,7 @@ def rms_norm_bwd(
         per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_BWD_PER_SM)
         chunk = min(config.get("chunk", chunk), block_h)
         row_sum = config.get("row_sum", row_sum)
+        stages = config.get("stages", stages)
     coop = _coop_plan(x, n_rows, n_cols, config, backward=True) if looped else None
     if coop is not None:
         block, n_slices, n_groups, num_warps = coop
@@ -601,11 +629,15 @@ def rms_norm_bwd(
     else:
         n_prog = min(_cdiv(n_rows, block_r), _n_programs(x, per_sm))
         dw_part = x2.new_empty((n_prog, n_cols), dtype=torch.float32)
-        prefetch = block_h <= 8192 if not config else config.get("prefetch", block_h <= 8192)
+        # Prefetch into registers only where the loop is not pipelined, and where two
+        # tiles fit in registers.
+        prefetch = stages == 1 and block_h <= 8192
+        if config:
+            prefetch = config.get("prefetch", prefetch)
         _launch(_bwd_rows_kernel, (n_prog, 1, 1),
                 (x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols,
                  x2.stride(0), dy2.stride(0), dx2.stride(0)),
-                (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum), num_warps)
+                (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages), num_warps)
     dw = _sum_partials(dw_part, weight) if needs_dw else None
     if not needs_dx:
         return None, dw
