@@ -309,11 +309,11 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 # (element size in bytes, BLOCK_H) -> (BLOCK_R, num_warps, CHUNK) for the forward, where
 # CHUNK 0 reads each row once (_fwd_rows_kernel) and CHUNK > 0 reads it twice, the second
 # time from L2 (_fwd_rows_reread_kernel). The re-read won where a whole tile in registers
-# is 8-16 KiB per program (third H200 sweep, kernel alone, graph-timed): float32 x 2048
-# 199.5 -> 193.9 us, 16-bit x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
+# is 8-16 KiB per program (third H200 sweep, kernel alone): float32 x 2048 199.5 -> 193.9
+# us, x 4096 398 -> 383 us, 16-bit x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
 _FWD_TUNED = {
-    (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (4, 16, 0),
-    (4, 8192): (1, 16, 0), (2, 1024): (4, 8, 0), (2, 2048): (1, 4, 0),
+    (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (1, 16, 2048),
+    (4, 8192): (1, 16, 0), (2, 1024): (8, 8, 0), (2, 2048): (1, 4, 0),
     (2, 4096): (1, 8, 2048), (2, 8192): (1, 16, 4096),
 }
 # -> (BLOCK_R, num_warps, programs per SM, ROW_SUM, STAGES) for the persistent backward;
