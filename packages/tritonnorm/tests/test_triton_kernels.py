@@ -68,13 +68,17 @@ def test_looped_path(kernel_device, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("cfg", [{"chunk": 32, "block_r": 4}, {"chunk": 128, "block_r": 1},
-                                 {"chunk": 64, "block_r": 2, "num_warps": 2}], ids=str)
-def test_forward_reread_path(kernel_device, dtype, cfg):
+@pytest.mark.parametrize("shape", [(11, 100), (12, 128)], ids=str)
+@pytest.mark.parametrize("cfg", [{"chunk": 32, "block_r": 4, "even": True},
+                                 {"chunk": 128, "block_r": 1, "even": True},
+                                 {"chunk": 64, "block_r": 2, "num_warps": 2, "even": False}],
+                         ids=str)
+def test_forward_reread_path(kernel_device, dtype, shape, cfg):
     # The forward that reads x twice (sum of squares, then normalise from L2), on rows that
-    # take several chunks, one chunk, or end in a partial chunk (H = 100).
+    # take several chunks, one chunk, or end in a partial chunk (H = 100); at 12 x 128 the
+    # chunks and row tiles divide the shape, so "even" runs the kernel without masks.
     k = _kernels()
-    x, w, _ = random_inputs((11, 100), dtype, torch.float32, seed=5, device=kernel_device)
+    x, w, _ = random_inputs(shape, dtype, torch.float32, seed=5, device=kernel_device)
     y_ref, _, _ = reference_grads(x, w, torch.ones_like(x), 1e-5)
     y, rstd = k.rms_norm_fwd(x, w, 1e-5, config=cfg)
     y1, rstd1 = k.rms_norm_fwd(x, w, 1e-5, config={"chunk": 0})

@@ -150,35 +150,45 @@ def _bwd_rows_kernel(
 @triton.jit
 def _fwd_rows_reread_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
-    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
 ):
     # As _fwd_rows_kernel, but x is read twice, CHUNK columns at a time: once for the sum
     # of squares, marked to stay in L2 (evict_last), then again (from L2, evict_first) to
     # normalise. A program holds one chunk in registers instead of its whole tile, so more
     # programs fit on an SM and more loads are in flight; where that outweighs the second
     # read (served by L2, not HBM) it is faster. torch.compile's forward works this way.
+    # EVEN (CHUNK divides H and BLOCK_R the rows) drops the masks (see _FWD_MASK_FREE).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_R, CHUNK], dtype=tl.float32)
     for start in range(0, n_cols, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_last").to(tl.float32)
+        x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_ptr, mask=row_ok[:, None] & (cols < n_cols)[None, :], other=0.0,
+                        eviction_policy="evict_last")
+        x = x.to(tl.float32)
         acc += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     for start in range(0, n_cols, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        col_ok = cols < n_cols
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last")
-        y = x * rstd[:, None] * w.to(tl.float32)[None, :]
-        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty),
-                 mask=mask)
+        x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+        y_ptr = Y + rows64[:, None] * stride_y + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
+            tl.store(y_ptr, (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty))
+        else:
+            col_ok = cols < n_cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+            w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last")
+            y = x.to(tl.float32) * rstd[:, None] * w.to(tl.float32)[None, :]
+            tl.store(y_ptr, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -310,12 +320,17 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 # CHUNK 0 reads each row once (_fwd_rows_kernel) and CHUNK > 0 reads it twice, the second
 # time from L2 (_fwd_rows_reread_kernel). The re-read won where a whole tile in registers
 # is 8-16 KiB per program (third H200 sweep, kernel alone): float32 x 2048 199.5 -> 193.9
-# us, x 4096 398 -> 383 us, 16-bit x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
+# us, x 4096 398 -> 383 us, x 8192 786 -> 766 us (mask-free), 16-bit x 4096 199.7 -> 194.7
+# us, x 8192 390.3 -> 386.5 us.
 _FWD_TUNED = {
     (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (1, 16, 2048),
-    (4, 8192): (1, 16, 0), (2, 1024): (8, 8, 0), (2, 2048): (1, 4, 0),
+    (4, 8192): (1, 16, 4096), (2, 1024): (8, 8, 0), (2, 2048): (1, 4, 0),
     (2, 4096): (1, 8, 2048), (2, 8192): (1, 16, 4096),
 }
+# (element size, BLOCK_H) where the re-reading forward runs without masks when the shape
+# allows (CHUNK divides H, BLOCK_R the rows): float32 x 8192 780 -> 763 us, 16-bit x 8192
+# 387 -> 384 us. Elsewhere it measured equal, or slower (float32 x 2048, once: 194 -> 208).
+_FWD_MASK_FREE = {(4, 8192), (2, 8192)}
 # -> (BLOCK_R, num_warps, programs per SM, ROW_SUM, STAGES) for the persistent backward;
 # STAGES 1 prefetches one tile into registers, STAGES > 1 pipelines that many through
 # shared memory. From the third H200 sweep (kernel plus the dweight sum, graph-timed): the
@@ -525,8 +540,12 @@ def rms_norm_fwd(
         grid = (min(n_rows, _n_programs(x, per_sm)), 1, 1)
         _launch(_fwd_looped_kernel, grid, args, (chunk,), num_warps)
     elif chunk:
+        even = (x.element_size(), block_h) in _FWD_MASK_FREE
+        if config:
+            even = config.get("even", even)
+        even = even and n_cols % chunk == 0 and n_rows % block_r == 0
         _launch(_fwd_rows_reread_kernel, (_cdiv(n_rows, block_r), 1, 1), args,
-                (block_r, chunk), num_warps)
+                (block_r, chunk, even), num_warps)
     else:
         grid = (_cdiv(n_rows, block_r), 1, 1)
         _launch(_fwd_rows_kernel, grid, args, (block_r, block_h), num_warps)
