@@ -319,9 +319,9 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 # (element size in bytes, BLOCK_H) -> (BLOCK_R, num_warps, CHUNK) for the forward, where
 # CHUNK 0 reads each row once (_fwd_rows_kernel) and CHUNK > 0 reads it twice, the second
 # time from L2 (_fwd_rows_reread_kernel). The re-read won where a whole tile in registers
-# is 8-16 KiB per program (third H200 sweep, kernel alone): float32 x 2048 199.5 -> 193.9
-# us, x 4096 398 -> 383 us, x 8192 786 -> 766 us (mask-free), 16-bit x 4096 199.7 -> 194.7
-# us, x 8192 390.3 -> 386.5 us.
+# is 8-16 KiB per program (fourth session's H200 sweep, kernel alone): float32 x 2048
+# 199.5 -> 193.9 us, x 4096 398 -> 383 us, x 8192 786 -> 766 us (mask-free), 16-bit
+# x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
 _FWD_TUNED = {
     (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (1, 16, 2048),
     (4, 8192): (1, 16, 4096), (2, 1024): (8, 8, 0), (2, 2048): (1, 4, 0),
@@ -333,10 +333,11 @@ _FWD_TUNED = {
 _FWD_MASK_FREE = {(4, 8192), (2, 8192)}
 # -> (BLOCK_R, num_warps, programs per SM, ROW_SUM, STAGES) for the persistent backward;
 # STAGES 1 prefetches one tile into registers, STAGES > 1 pipelines that many through
-# shared memory. From the third H200 sweep (kernel plus the dweight sum, graph-timed): the
-# pipelined loop took the 16-bit backward from 75% to 84% of copy bandwidth at H = 1024,
-# 89% to 93% at 2048, 91% to 96% at 4096 and 90% to 98% at 8192; in float32 it gained 1%
-# at 1024 and lost 1-3% at 4096 and 8192, where one register tile is already 16-32 KiB.
+# shared memory. From the fourth session's H200 sweep (kernel plus the dweight sum,
+# graph-timed): the pipelined loop took the 16-bit backward from 75% to 84% of copy
+# bandwidth at H = 1024, 89% to 93% at 2048, 91% to 96% at 4096 and 90% to 98% at 8192;
+# in float32 it gained 1% at 1024 and lost 1-3% at 4096 and 8192, where one register tile
+# is already 16-32 KiB.
 _BWD_TUNED = {
     (4, 1024): (4, 8, 1, False, 3), (4, 2048): (4, 8, 1, False, 1),
     (4, 4096): (2, 16, 1, False, 1), (4, 8192): (1, 8, 1, False, 1),
