@@ -163,6 +163,27 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
         assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cooperative launches need a GPU")
+def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
+    # A CUDA cooperative launch (where Triton offers it) only changes how the grid is
+    # scheduled: the same kernels give bitwise the same results as an ordinary launch.
+    k = _kernels()
+    x, w, dy = random_inputs((300, 1000), torch.bfloat16, torch.float32, seed=8,
+                             device=torch.device("cuda"))
+    cfg = {"looped": True, "coop": True, "coop_block": 64, "coop_warps": 4}
+    results = []
+    for cooperative in (False, k.COOPERATIVE_LAUNCH):
+        monkeypatch.setattr(k, "COOPERATIVE_LAUNCH", cooperative)
+        results.append(_check_kernels(x, w, dy, cfg))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_cooperative_launch_off_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _kernels()._has_cooperative_launch()
+
+
 def test_launch_key_tracks_triton_specialisation():
     # The direct-launch cache must tell apart every case Triton compiles separately.
     k = _kernels()

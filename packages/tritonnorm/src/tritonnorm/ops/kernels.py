@@ -244,22 +244,44 @@ def _arg_key(a):
     return type(a)
 
 
-def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_warps: int):
+def _has_cooperative_launch() -> bool:
+    """Whether this Triton can make a CUDA cooperative launch (``launch_cooperative_grid``)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+# Launch the cooperative kernels (whose programs wait for each other) as CUDA cooperative
+# launches: the driver then guarantees that every program of the grid is resident at once,
+# or refuses the launch, instead of relying on nothing else holding the SMs.
+COOPERATIVE_LAUNCH = _has_cooperative_launch()
+
+
+def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_warps: int,
+            cooperative: bool = False):
     """Launch ``kernel`` over ``grid`` with runtime ``args`` then constexpr ``consts``.
 
     Every kernel in this module takes its runtime arguments first and its constexprs
-    last, so ``args + consts`` is the full positional signature.
+    last, so ``args + consts`` is the full positional signature. ``cooperative`` asks for
+    a CUDA cooperative launch where Triton offers one (``COOPERATIVE_LAUNCH``).
     """
     global DIRECT_LAUNCH
+    options = {"num_warps": num_warps}
+    if cooperative and COOPERATIVE_LAUNCH:
+        options["launch_cooperative_grid"] = True
     if not DIRECT_LAUNCH:
-        kernel[grid](*args, *consts, num_warps=num_warps)
+        kernel[grid](*args, *consts, **options)
         return
     # Host time is the whole cost of a small launch, so the hot path avoids what is slow
     # there: hashing the JITFunction (id() instead: kernels are module globals that live
     # as long as the process), torch.cuda.current_device() and Triton's own stream lookup
     # (the first tensor's device and the raw current stream, which is what Triton reads).
     device = args[0].get_device()
-    key = (id(kernel), device, num_warps, consts, *map(_arg_key, args))
+    key = (id(kernel), device, *options.items(), consts, *map(_arg_key, args))
     compiled = _COMPILED.get(key)
     if compiled is not None:
         try:
@@ -268,12 +290,12 @@ def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_
         except (TypeError, SystemError):  # pragma: no cover - a launcher of another shape
             DIRECT_LAUNCH = False
             _COMPILED.clear()
-            kernel[grid](*args, *consts, num_warps=num_warps)
+            kernel[grid](*args, *consts, **options)
             return
     # The first launch goes through the JIT, on the tensors' device (the compiled kernel is
     # loaded there, and the direct path above launches it on that device's stream).
     with torch.cuda.device(device):
-        compiled = kernel[grid](*args, *consts, num_warps=num_warps)
+        compiled = kernel[grid](*args, *consts, **options)
     if compiled is None or not hasattr(compiled, "function"):
         DIRECT_LAUNCH = False  # not the Triton we know: always go through the JIT
         return
@@ -534,7 +556,7 @@ def rms_norm_fwd(
         _launch(_fwd_coop_kernel, (n_groups * n_slices, 1, 1),
                 (x2, w, y2, rstd, slots, n_rows, n_cols, n_slices, x2.stride(0),
                  n_cols, eps),
-                (block, _pow2_at_least(n_slices)), num_warps)
+                (block, _pow2_at_least(n_slices)), num_warps, cooperative=True)
     elif looped:
         # One row per program at a time, read twice (sum of squares, then normalise). With
         # few programs per SM the rows in flight fit in L2, so the second read hits it.
@@ -631,7 +653,8 @@ def rms_norm_bwd(
         _launch(_bwd_coop_kernel, (n_groups * n_slices, 1, 1),
                 (x2, w, dy2, rstd, slots, dx2, dw_part, n_rows, n_cols, n_slices,
                  x2.stride(0), dy2.stride(0), dx2.stride(0)),
-                (block, _pow2_at_least(n_slices), needs_dx, needs_dw), num_warps)
+                (block, _pow2_at_least(n_slices), needs_dx, needs_dw), num_warps,
+                cooperative=True)
     elif looped:
         n_slices = _cdiv(n_cols, chunk)
         n_groups = min(n_rows, max(1, _n_programs(x, per_sm) // n_slices))
