@@ -261,6 +261,13 @@ def _has_cooperative_launch() -> bool:
 COOPERATIVE_LAUNCH = _has_cooperative_launch()
 
 
+def _launch_options(num_warps: int, cooperative: bool) -> dict:
+    """The JIT launch options: ``num_warps``, plus a cooperative launch when asked."""
+    if cooperative:
+        return {"num_warps": num_warps, "launch_cooperative_grid": True}
+    return {"num_warps": num_warps}
+
+
 def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_warps: int,
             cooperative: bool = False):
     """Launch ``kernel`` over ``grid`` with runtime ``args`` then constexpr ``consts``.
@@ -270,18 +277,16 @@ def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_
     a CUDA cooperative launch where Triton offers one (``COOPERATIVE_LAUNCH``).
     """
     global DIRECT_LAUNCH
-    options = {"num_warps": num_warps}
-    if cooperative and COOPERATIVE_LAUNCH:
-        options["launch_cooperative_grid"] = True
+    cooperative = cooperative and COOPERATIVE_LAUNCH
     if not DIRECT_LAUNCH:
-        kernel[grid](*args, *consts, **options)
+        kernel[grid](*args, *consts, **_launch_options(num_warps, cooperative))
         return
     # Host time is the whole cost of a small launch, so the hot path avoids what is slow
     # there: hashing the JITFunction (id() instead: kernels are module globals that live
     # as long as the process), torch.cuda.current_device() and Triton's own stream lookup
     # (the first tensor's device and the raw current stream, which is what Triton reads).
     device = args[0].get_device()
-    key = (id(kernel), device, *options.items(), consts, *map(_arg_key, args))
+    key = (id(kernel), device, num_warps, cooperative, consts, *map(_arg_key, args))
     compiled = _COMPILED.get(key)
     if compiled is not None:
         try:
@@ -290,12 +295,12 @@ def _launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_
         except (TypeError, SystemError):  # pragma: no cover - a launcher of another shape
             DIRECT_LAUNCH = False
             _COMPILED.clear()
-            kernel[grid](*args, *consts, **options)
+            kernel[grid](*args, *consts, **_launch_options(num_warps, cooperative))
             return
     # The first launch goes through the JIT, on the tensors' device (the compiled kernel is
     # loaded there, and the direct path above launches it on that device's stream).
     with torch.cuda.device(device):
-        compiled = kernel[grid](*args, *consts, **options)
+        compiled = kernel[grid](*args, *consts, **_launch_options(num_warps, cooperative))
     if compiled is None or not hasattr(compiled, "function"):
         DIRECT_LAUNCH = False  # not the Triton we know: always go through the JIT
         return
@@ -423,14 +428,20 @@ def bwd_config(n_cols: int, elem_size: int) -> tuple[int, int, int, int, bool, i
     return block_r, block_h, num_warps, 1, False, 1
 
 
-def fwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int]:
+# A plan's max_block when a tuning override forces the looped (0) or fused (no limit) kind.
+_FORCED_MAX_BLOCK = {True: 0, False: 1 << 62}
+
+
+def fwd_plan(n_cols: int, elem_size: int, looped: bool | None = None
+             ) -> tuple[bool, int, int, int, int, int]:
     """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK).
 
     Looped (rows longer than a fused block): a persistent grid of ``programs per SM``, rows
     read in chunks of CHUNK. Fused: one program per BLOCK_R rows, CHUNK as in
-    ``fwd_config``.
+    ``fwd_config``. ``looped`` forces one kind (tuning overrides); None picks by H.
     """
-    return _fwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_FWD, max(1, LOOP_CHUNK * 2 // elem_size),
+    max_block = MAX_FUSED_BLOCK_FWD if looped is None else _FORCED_MAX_BLOCK[looped]
+    return _fwd_plan(n_cols, elem_size, max_block, max(1, LOOP_CHUNK * 2 // elem_size),
                      LOOP_FWD_WARPS, LOOP_FWD_PER_SM)
 
 
@@ -448,9 +459,14 @@ def _fwd_plan(n_cols, elem_size, max_block, chunk, loop_warps, loop_per_sm):
     return False, block_r, block_h, num_warps, 0, reread
 
 
-def bwd_plan(n_cols: int, elem_size: int) -> tuple[bool, int, int, int, int, int, bool, int]:
-    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK, ROW_SUM, STAGES)."""
-    return _bwd_plan(n_cols, elem_size, MAX_FUSED_BLOCK_BWD, LOOP_CHUNK_BWD,
+def bwd_plan(n_cols: int, elem_size: int, looped: bool | None = None
+             ) -> tuple[bool, int, int, int, int, int, bool, int]:
+    """(looped, BLOCK_R, BLOCK_H, num_warps, programs per SM, CHUNK, ROW_SUM, STAGES).
+
+    ``looped`` forces one kind (tuning overrides); None picks by H.
+    """
+    max_block = MAX_FUSED_BLOCK_BWD if looped is None else _FORCED_MAX_BLOCK[looped]
+    return _bwd_plan(n_cols, elem_size, max_block, LOOP_CHUNK_BWD,
                      LOOP_BWD_WARPS, LOOP_BWD_PER_SM)
 
 
@@ -536,13 +552,9 @@ def rms_norm_fwd(
     if n_rows == 0:
         return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
     w = weight if weight.is_contiguous() else weight.contiguous()
-    looped, block_r, block_h, num_warps, per_sm, chunk = fwd_plan(n_cols, x.element_size())
+    plan = fwd_plan(n_cols, x.element_size(), config.get("looped") if config else None)
+    looped, block_r, block_h, num_warps, per_sm, chunk = plan
     if config:
-        if config.get("looped", looped) != looped:
-            looped = config["looped"]
-            per_sm, chunk = LOOP_FWD_PER_SM, max(1, LOOP_CHUNK * 2 // x.element_size())
-            num_warps = LOOP_FWD_WARPS if looped else fwd_config(n_cols, x.element_size())[2]
-            chunk = chunk if looped else 0
         block_r = config.get("block_r", block_r)
         num_warps = config.get("num_warps", num_warps)
         per_sm = config.get("programs_per_sm", per_sm)
@@ -634,13 +646,12 @@ def rms_norm_bwd(
         return None, None
     dx2 = x2.new_empty((n_rows, n_cols)) if needs_dx else x2
     w = weight if weight.is_contiguous() else weight.contiguous()
-    plan = bwd_plan(n_cols, x.element_size())
+    plan = bwd_plan(n_cols, x.element_size(), config.get("looped") if config else None)
     looped, block_r, block_h, num_warps, per_sm, chunk, row_sum, stages = plan
     if config:
-        looped = config.get("looped", looped)
         block_r = config.get("block_r", block_r)
-        num_warps = config.get("num_warps", num_warps if not looped else LOOP_BWD_WARPS)
-        per_sm = config.get("programs_per_sm", per_sm if not looped else LOOP_BWD_PER_SM)
+        num_warps = config.get("num_warps", num_warps)
+        per_sm = config.get("programs_per_sm", per_sm)
         chunk = min(config.get("chunk", chunk), block_h)
         row_sum = config.get("row_sum", row_sum)
         stages = config.get("stages", stages)
