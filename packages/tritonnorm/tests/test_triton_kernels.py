@@ -142,13 +142,15 @@ def test_cooperative_kernels_many_slices(dtype, rows, cols, block):
     assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
 
 
-@pytest.mark.parametrize("reduce", ["triton", "torch"])
+@pytest.mark.parametrize("reduce", ["fold", "triton", "torch"])
 def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     # The tuning knobs (ROW_SUM accumulation, the dweight reduction, how the loop keeps
     # loads in flight) change only the order of float32 additions or none: every variant
     # stays within tolerance of float64.
     k = _kernels()
-    monkeypatch.setattr(k, "DW_REDUCE", reduce)
+    monkeypatch.setattr(k, "FOLD_DW_SUM", reduce == "fold")
+    if reduce != "fold":
+        monkeypatch.setattr(k, "DW_REDUCE", reduce)
     x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
                              device=kernel_device)
     _check(x, w, dy)
@@ -161,6 +163,67 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
         dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
         assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
         assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("shape,w_dtype", [((40, 70), torch.float32), ((1000, 1000), None),
+                                           ((3, 40), torch.bfloat16)], ids=str)
+def test_folded_dweight_sum(kernel_device, shape, w_dtype):
+    # Summing the partial weight gradients at the end of the backward kernel (by its
+    # last programs to finish) gives dweight within tolerance, bitwise the same on every
+    # run, and leaves the shared arrival count zeroed for the next launch.
+    k = _kernels()
+    if kernel_device.type == "cpu" and shape[0] * shape[1] > 30_000:
+        pytest.skip("too slow for the interpreter")
+    x, w, dy = random_inputs(shape, torch.bfloat16, w_dtype or torch.bfloat16, seed=shape[1],
+                             device=kernel_device)
+    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+    _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
+    cfg = {"fold": True, "block_r": 1}
+    runs = [k.rms_norm_bwd(dy, x, w, rstd, config=cfg) for _ in range(3)]
+    runs.append(k.rms_norm_bwd(dy, x, w, rstd, needs_dx=False, config=cfg))
+    for _dx, dw in runs:
+        assert dw.dtype == w.dtype and torch.equal(dw, runs[0][1])
+        assert rel_err(dw, dw_ref) < TOL[w.dtype]
+    assert rel_err(runs[0][0], dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
+    unfolded = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": False, "block_r": 1})[1]
+    assert rel_err(runs[0][1], unfolded) < (1e-5 if w.dtype == torch.float32 else TOL[w.dtype])
+    for c in k._COUNTERS.values():
+        assert c[0].item() == 0  # the arrival count, reset by the last arrival
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_folded_sum_under_cuda_graphs():
+    # Each captured launch takes counters of its own (a graph may be replayed on any
+    # stream, alongside eager launches); replays give the eager result bitwise.
+    k = _kernels()
+    x, w, dy = random_inputs((2000, 1000), torch.bfloat16, torch.float32, seed=3,
+                             device=torch.device("cuda"))
+    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+    eager = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})  # makes the pool
+    free = len(k._COUNTER_POOLS[x.get_device()])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True}) for _ in range(2)]
+    assert len(k._COUNTER_POOLS[x.get_device()]) == free - 2
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for dx, dw in outs:
+            assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
+
+
+@given(n_cols=st.integers(1, 16384), n_part=st.integers(1, 600),
+       max_summers=st.integers(1, 200), max_tile=st.sampled_from([64, 256, 1024, 4096]))
+@settings(max_examples=300, deadline=None)
+def test_fold_layout_covers_every_column(n_cols, n_part, max_summers, max_tile):
+    # Summer r takes column blocks r, r + summers, ...: with at most max_summers and
+    # n_part summers, and none without a block, every column is summed exactly once.
+    block_p, block_c, summers = _kernels().fold_layout(n_cols, n_part, max_summers, max_tile)
+    assert 1 <= summers <= min(n_part, max_summers)
+    assert (summers - 1) * block_c < n_cols
+    assert block_p * block_c <= max(max_tile, 16 * 8) and block_p >= 16 and block_c >= 8
+    blocks = [b for r in range(summers) for b in range(r, -(-n_cols // block_c), summers)]
+    assert sorted(blocks) == list(range(-(-n_cols // block_c)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cooperative launches need a GPU")
