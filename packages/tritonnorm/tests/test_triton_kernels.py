@@ -212,6 +212,33 @@ def test_folded_sum_under_cuda_graphs():
             assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
 
 
+def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatch):
+    # A cooperative launch the driver refuses (grid not resident at once) is retried
+    # with the partials summed by a second kernel, and that shape is remembered.
+    k = _kernels()
+    monkeypatch.setattr(k, "_FOLD_REFUSED", set())
+    real = k._launch
+    refused = []
+
+    def refusing(kernel, grid, args, consts, num_warps, cooperative=False):
+        if kernel is k._bwd_rows_kernel and cooperative:
+            refused.append(grid)
+            raise RuntimeError("too many blocks in cooperative launch")
+        return real(kernel, grid, args, consts, num_warps, cooperative)
+
+    monkeypatch.setattr(k, "_launch", refusing)
+    monkeypatch.setattr(k, "COOPERATIVE_LAUNCH", True)
+    x, w, dy = random_inputs((20, 64), torch.float32, torch.float32, seed=12,
+                             device=kernel_device)
+    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+    _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
+    for _ in range(2):
+        dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})
+        assert rel_err(dw, dw_ref) < TOL[torch.float32]
+        assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.float32]
+    assert len(refused) == 1 and len(k._FOLD_REFUSED) == 1
+
+
 @given(n_cols=st.integers(1, 16384), n_part=st.integers(1, 600),
        max_summers=st.integers(1, 200), max_tile=st.sampled_from([64, 256, 1024, 4096]))
 @settings(max_examples=300, deadline=None)

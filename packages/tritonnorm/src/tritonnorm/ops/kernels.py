@@ -90,9 +90,10 @@ def _sum_partials_tail(PART, OUT, COUNTER, gen, n_part, n_cols, n_red,
     # arrival bumps to release the other summers; ``gen`` is the generation each program
     # read when it started (nothing changes it before every program has arrived).
     #
-    # No grid barrier is needed: a summing program waits only for programs that arrive
-    # after it, all of which are summers too, and n_red is at most the number of SMs, so
-    # while any is yet to start, fewer than n_red waiters hold SMs and it finds a place.
+    # Waiting is safe: the launch is cooperative (every program resident at once). Even
+    # without that, a summer waits only for programs that arrive after it, all of which
+    # are summers too, and n_red is at most the number of SMs, so while any is yet to
+    # start, fewer than n_red waiters hold SMs and it finds a place.
     # Ordering: the CTA barrier puts every thread's stores of the partial before the one
     # thread's release (the arrival); the last arrival acquires them all and releases
     # them again with the generation, which the other summers acquire; their loads then
@@ -676,14 +677,17 @@ def _sum_partials(part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # slower: float32 x 4096 (16 warps at 128 registers each; 952 -> 1000 us fwd+bwd).
 FOLD_DW_SUM = True
 _NO_FOLD = {(4, 4096)}
+# Launch shapes whose cooperative launch the driver refused (see rms_norm_bwd).
+_FOLD_REFUSED: set = set()
 # Nanoseconds a program waiting to sum partials sleeps between polls of the counter.
 SPIN_NS = 200
 
 
 def _max_summers(x: torch.Tensor) -> int:
-    """How many programs may wait to sum partials: one per SM (so they can never hold
-    every SM while a program they wait for is yet to start); one on the interpreter,
-    which runs programs one after another."""
+    """How many programs may wait to sum partials: one per SM (the cooperative launch
+    makes every program resident anyway, and even without it waiters could then never
+    hold every SM of a whole GPU while a program they wait for is yet to start); one on
+    the interpreter, which runs programs one after another."""
     index = x.get_device()
     return _sm_count(index) if index >= 0 else 1
 
@@ -811,25 +815,42 @@ def rms_norm_bwd(
         fold = FOLD_DW_SUM and (x.element_size(), block_h) not in _NO_FOLD
         if config:
             fold = config.get("fold", fold)
-        fold = fold and needs_dw
-        if fold:
-            dw = weight.new_empty((n_cols,))
-            counter = fold_counter(x2)
-            # Tiles of up to 32 elements per thread: all the partials a summer needs
-            # are loaded at once where they fit (264 x 8 at 16-bit x 1024).
-            red_p, red_c, n_red = fold_layout(
-                n_cols, n_prog, _max_summers(x),
-                (config or {}).get("fold_tile", min(4096, 1024 * num_warps)))
-        else:  # dw_part stands in for the unused pointers
-            dw, counter, (red_p, red_c, n_red) = dw_part, dw_part, (16, 16, 1)
-        spin_ns = (config or {}).get("spin_ns", SPIN_NS) if x.is_cuda else 0
-        _launch(_bwd_rows_kernel, (n_prog, 1, 1),
-                (x2, w, dy2, rstd, dx2, dw_part, dw, counter, n_rows, n_cols,
-                 x2.stride(0), dy2.stride(0), dx2.stride(0), n_red),
-                (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages,
-                 fold, red_p, red_c, spin_ns), num_warps)
-        if not fold:
-            dw = _sum_partials(dw_part, weight) if needs_dw else None
+        # The folded sum makes programs wait for others: on the GPU only in a cooperative
+        # launch, where the driver guarantees that every program is resident at once.
+        refusal_key = (x.get_device(), num_warps, block_r, block_h, stages, n_prog)
+        fold = (fold and needs_dw and (COOPERATIVE_LAUNCH or not x.is_cuda)
+                and refusal_key not in _FOLD_REFUSED)
+
+        def launch(fold: bool) -> torch.Tensor | None:
+            if fold:
+                dw = weight.new_empty((n_cols,))
+                counter = fold_counter(x2)
+                # Tiles of up to 32 elements per thread: all the partials a summer needs
+                # are loaded at once where they fit (264 x 8 at 16-bit x 1024).
+                red_p, red_c, n_red = fold_layout(
+                    n_cols, n_prog, _max_summers(x),
+                    (config or {}).get("fold_tile", min(4096, 1024 * num_warps)))
+            else:  # dw_part stands in for the unused pointers
+                dw, counter, (red_p, red_c, n_red) = dw_part, dw_part, (16, 16, 1)
+            spin_ns = (config or {}).get("spin_ns", SPIN_NS) if x.is_cuda else 0
+            _launch(_bwd_rows_kernel, (n_prog, 1, 1),
+                    (x2, w, dy2, rstd, dx2, dw_part, dw, counter, n_rows, n_cols,
+                     x2.stride(0), dy2.stride(0), dx2.stride(0), n_red),
+                    (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages,
+                     fold, red_p, red_c, spin_ns), num_warps, cooperative=fold)
+            if fold:
+                return dw
+            return _sum_partials(dw_part, weight) if needs_dw else None
+
+        try:
+            dw = launch(fold)
+        except RuntimeError:
+            if not fold:
+                raise
+            # The driver refused to make the grid resident at once (a GPU shared under
+            # MPS limits, say): from now on sum this launch's partials in a second kernel.
+            _FOLD_REFUSED.add(refusal_key)
+            dw = launch(False)
     if coop is not None or looped:
         dw = _sum_partials(dw_part, weight) if needs_dw else None
     if not needs_dx:
