@@ -212,6 +212,47 @@ def test_folded_sum_under_cuda_graphs():
             assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
 
 
+@pytest.mark.parametrize("cfg", [None, {"chunk": 32}, {"chunk": 32, "even": True},
+                                 {"looped": True, "chunk": 32}], ids=str)
+def test_forward_without_rstd(kernel_device, cfg):
+    # Inference (no backward to come) skips the per-row statistic: same y, bitwise.
+    k = _kernels()
+    x, w, _ = random_inputs((24, 96), torch.bfloat16, torch.float32, seed=13,
+                            device=kernel_device)
+    y, rstd = k.rms_norm_fwd(x, w, 1e-5, config=cfg)
+    y2, none = k.rms_norm_fwd(x, w, 1e-5, config=cfg, need_rstd=False)
+    assert none is None and rstd is not None and torch.equal(y, y2)
+    assert k.rms_norm_fwd(x[:0], w, 1e-5, need_rstd=False)[1] is None
+
+
+def test_inference_calls_skip_autograd(kernel_device, monkeypatch):
+    # rms_norm under no_grad (or on inputs that need no gradient) runs the forward
+    # kernel alone, asking for no rstd, and gives what the autograd path gives.
+    if kernel_device.type != "cuda":
+        pytest.skip("rms_norm takes the kernels on CUDA only")
+    k = _kernels()
+    asked = []
+    real = k.rms_norm_fwd
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("need_rstd", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(k, "rms_norm_fwd", spy)
+    x, w, _ = random_inputs((24, 96), torch.float16, torch.float16, seed=14,
+                            device=kernel_device)
+    wg = w.clone().requires_grad_()
+    y_train = tritonnorm.rms_norm(x, wg)
+    with torch.no_grad():
+        y_nograd = tritonnorm.rms_norm(x, wg)
+    y_plain = tritonnorm.rms_norm(x, w)
+    assert asked == [True, False, False]
+    assert torch.equal(y_train, y_nograd) and torch.equal(y_train, y_plain)
+    assert y_train.requires_grad and not y_nograd.requires_grad
+    y_fn = RMSNormFunction.apply(x, w, 1e-5)  # no input needs a gradient: no rstd
+    assert asked[-1] is False and torch.equal(y_fn, y_plain)
+
+
 def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatch):
     # A cooperative launch the driver refuses (grid not resident at once) is retried
     # with the partials summed by a second kernel, and that shape is remembered.

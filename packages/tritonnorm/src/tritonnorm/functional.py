@@ -5,15 +5,22 @@ from __future__ import annotations
 import torch
 
 from tritonnorm.ops.reference import RMSNormTorchFunction
-from tritonnorm.ops.validation import KERNEL_DTYPES, check_eps, check_rms_norm_args
+from tritonnorm.ops.validation import (
+    KERNEL_DTYPES,
+    check_eps,
+    check_rms_norm_args,
+    kernel_args_ok,
+)
 
 try:  # Triton is optional: without it (or on a platform it lacks) CUDA tensors use PyTorch.
     from tritonnorm.ops import custom_ops as _custom_ops
+    from tritonnorm.ops import kernels as _kernels
     from tritonnorm.ops.rms_norm import RMSNormFunction
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the environment
     _custom_ops = None
+    _kernels = None
     RMSNormFunction = None
     HAS_TRITON = False
 
@@ -23,7 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
 
     CUDA tensors in float32/float16/bfloat16 run the Triton kernels (through the
     ``tritonnorm::`` custom ops, so ``torch.compile(fullgraph=True)`` keeps them); anything
-    else runs ``RMSNormTorchFunction``. Differentiable in ``x`` and ``weight``.
+    else runs ``RMSNormTorchFunction``. Differentiable in ``x`` and ``weight``; where no
+    gradient can flow (grad mode off, or neither input requires grad) the forward kernel
+    runs alone, without autograd and without writing the per-row statistic.
 
     Args:
         x: input of shape (*, H).
@@ -53,6 +62,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     if _custom_ops.AVAILABLE and (_is_compiling() or FORCE_CUSTOM_OP):
         check_rms_norm_args(x, weight, kernel=True)
         return _custom_ops.rms_norm_triton(x, weight, check_eps(eps))
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        # Inference: nothing to record for autograd, and no rstd for a backward.
+        if not kernel_args_ok(x, weight, eps):
+            check_rms_norm_args(x, weight, kernel=True)
+            eps = check_eps(eps)
+        return _kernels.rms_norm_fwd(x, weight, eps, need_rstd=False)[0]
     return RMSNormFunction.apply(x, weight, eps)
 
 

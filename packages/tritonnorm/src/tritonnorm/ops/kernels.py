@@ -54,9 +54,10 @@ LOOP_CHUNK = 32768
 @triton.jit
 def _fwd_rows_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
-    # One tile of BLOCK_R whole rows per program: one read of x, one write of y.
+    # One tile of BLOCK_R whole rows per program: one read of x, one write of y (and of
+    # rstd, unless no backward will need it).
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
@@ -70,7 +71,8 @@ def _fwd_rows_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     y = x * rstd[:, None] * w[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
 @triton.jit
@@ -212,7 +214,7 @@ def _bwd_rows_kernel(
 @triton.jit
 def _fwd_rows_reread_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
-    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):
     # As _fwd_rows_kernel, but x is read twice, CHUNK columns at a time: once for the sum
     # of squares, marked to stay in L2 (evict_last), then again (from L2, evict_first) to
@@ -235,7 +237,8 @@ def _fwd_rows_reread_kernel(
         x = x.to(tl.float32)
         acc += x * x
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / n_cols + eps)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     for start in range(0, n_cols, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
@@ -410,10 +413,12 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 # time from L2 (_fwd_rows_reread_kernel). The re-read won where a whole tile in registers
 # is 8-16 KiB per program (fourth session's H200 sweep, kernel alone): float32 x 2048
 # 199.5 -> 193.9 us, x 4096 398 -> 383 us, x 8192 786 -> 766 us (mask-free), 16-bit
-# x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us.
+# x 4096 199.7 -> 194.7 us, x 8192 390.3 -> 386.5 us. 16-bit x 1024: 4 rows per program
+# beat 8 in four graph-timed runs of the fifth session (bf16 53.5-53.7 against 54.1-54.5
+# us; torch.compile 53.5-53.9).
 _FWD_TUNED = {
     (4, 1024): (1, 4, 0), (4, 2048): (2, 16, 2048), (4, 4096): (1, 16, 2048),
-    (4, 8192): (1, 16, 4096), (2, 1024): (8, 8, 0), (2, 2048): (1, 4, 0),
+    (4, 8192): (1, 16, 4096), (2, 1024): (4, 8, 0), (2, 2048): (1, 4, 0),
     (2, 4096): (1, 8, 2048), (2, 8192): (1, 16, 4096),
 }
 # (element size, BLOCK_H) where the re-reading forward runs without masks when the shape
@@ -590,8 +595,9 @@ def _n_programs(x: torch.Tensor, per_sm: int) -> int:
 
 
 def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: dict | None = None,
+    need_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel.
 
     Args:
@@ -601,18 +607,20 @@ def rms_norm_fwd(
         config: optional overrides (looped, block_r, num_warps, programs_per_sm, chunk)
             used by the benchmark's tuning sweep. For fused rows, chunk 0 reads x once
             and chunk > 0 twice (see ``fwd_config``).
+        need_rstd: False when no backward will follow (inference): the fused kernels
+            then skip writing rstd, and None comes back in its place.
 
     Returns:
-        (y with x's shape and dtype, rstd of shape (rows,) in float32).
+        (y with x's shape and dtype, rstd of shape (rows,) in float32 or None).
     """
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     n_rows = x2.shape[0]
     # new_empty: same dtype and device without parsing them again (host time matters here).
     y2 = x2.new_empty((n_rows, n_cols))
-    rstd = x2.new_empty((n_rows,), dtype=torch.float32)
     if n_rows == 0:
-        return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
+        return (y2 if x.dim() == 2 else y2.view(x.shape)), (
+            x2.new_empty((0,), dtype=torch.float32) if need_rstd else None)
     w = weight if weight.is_contiguous() else weight.contiguous()
     plan = fwd_plan(n_cols, x.element_size(), config.get("looped") if config else None)
     looped, block_r, block_h, num_warps, per_sm, chunk = plan
@@ -623,7 +631,10 @@ def rms_norm_fwd(
         chunk = config.get("chunk", chunk)
     chunk = min(chunk, block_h)
     coop = _coop_plan(x, n_rows, n_cols, config) if looped else None
-    args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
+    # Only the fused kernels can skip rstd (y2 then stands in for its unused pointer).
+    store_rstd = need_rstd or looped
+    rstd = x2.new_empty((n_rows,), dtype=torch.float32) if store_rstd else None
+    args = (x2, w, y2, rstd if store_rstd else y2, n_rows, n_cols, x2.stride(0), n_cols, eps)
     if coop is not None:
         block, n_slices, n_groups, num_warps = coop
         slots = torch.zeros((n_rows, n_slices), dtype=torch.int64, device=x2.device)
@@ -642,11 +653,11 @@ def rms_norm_fwd(
             even = config.get("even", even)
         even = even and n_cols % chunk == 0 and n_rows % block_r == 0
         _launch(_fwd_rows_reread_kernel, (_cdiv(n_rows, block_r), 1, 1), args,
-                (block_r, chunk, even), num_warps)
+                (block_r, chunk, even, store_rstd), num_warps)
     else:
         grid = (_cdiv(n_rows, block_r), 1, 1)
-        _launch(_fwd_rows_kernel, grid, args, (block_r, block_h), num_warps)
-    return (y2 if x.dim() == 2 else y2.view(x.shape)), rstd
+        _launch(_fwd_rows_kernel, grid, args, (block_r, block_h, store_rstd), num_warps)
+    return (y2 if x.dim() == 2 else y2.view(x.shape)), (rstd if need_rstd else None)
 
 
 # "torch": reduce the partial weight gradients with one ATen column sum (plus a cast);

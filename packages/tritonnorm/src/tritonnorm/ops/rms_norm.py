@@ -22,8 +22,11 @@ class RMSNormFunction(torch.autograd.Function):
         if not kernel_args_ok(x, weight, eps):
             check_rms_norm_args(x, weight, kernel=True)
             eps = check_eps(eps)
-        y, rstd = kernels.rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
+        # No input needs a gradient: no backward will run, so skip rstd.
+        need_rstd = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        y, rstd = kernels.rms_norm_fwd(x, weight, eps, need_rstd=need_rstd)
+        if need_rstd:
+            ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
