@@ -291,11 +291,15 @@ def overhead():
     kernels.DIRECT_LAUNCH = False
     rec("rms_norm fwd+bwd, launch through the JIT", lambda: rms_norm(xg, wg).backward(dy),
         (xg, wg))
-    kernels.DW_REDUCE = "torch"
-    rec("rms_norm fwd+bwd, JIT launch + torch column sum",
-        lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
     kernels.DIRECT_LAUNCH = can_direct
+    kernels.FOLD_DW_SUM = False
+    rec("rms_norm fwd+bwd, dweight summed by a second kernel",
+        lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
+    kernels.DW_REDUCE = "torch"
+    rec("rms_norm fwd+bwd, dweight summed by torch (column sum + cast)",
+        lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
     kernels.DW_REDUCE = "triton"
+    kernels.FOLD_DW_SUM = True
     # Direct launches must give bitwise what the JIT launch gives, in every path.
     fails = 0
     cases = ((torch.bfloat16, 1024, 999), (torch.float32, 300, 37),
