@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -745,6 +746,34 @@ def fold_counter(x: torch.Tensor) -> torch.Tensor:
     return counter
 
 
+def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warps: int,
+                      fold: bool, config: dict | None) -> torch.Tensor | None:
+    """Launch _bwd_rows_kernel; return dweight (None when it is not needed).
+
+    ``args`` are the kernel's runtime arguments up to the partials buffer's strides and
+    ``consts`` its constexprs up to STAGES; this adds the folded sum's (or, without
+    ``fold``, sums the partials in a second kernel).
+    """
+    x2, dw_part, n_cols, needs_dw = args[0], args[5], args[7], consts[3]
+    if fold:
+        dw = weight.new_empty((n_cols,))
+        counter = fold_counter(x2)
+        # Tiles of up to 32 elements per thread: all the partials a summer needs are
+        # loaded at once where they fit (264 x 8 at 16-bit x 1024).
+        red_p, red_c, n_red = fold_layout(
+            n_cols, dw_part.shape[0], _max_summers(x2),
+            (config or {}).get("fold_tile", min(4096, 1024 * num_warps)))
+    else:  # dw_part stands in for the unused pointers
+        dw, counter, (red_p, red_c, n_red) = dw_part, dw_part, (16, 16, 1)
+    spin_ns = (config or {}).get("spin_ns", SPIN_NS) if x2.is_cuda else 0
+    _launch(_bwd_rows_kernel, (dw_part.shape[0], 1, 1),
+            (*args[:6], dw, counter, *args[6:], n_red),
+            (*consts, fold, red_p, red_c, spin_ns), num_warps, cooperative=fold)
+    if fold:
+        return dw
+    return _sum_partials(dw_part, weight) if needs_dw else None
+
+
 def rms_norm_bwd(
     grad_output: torch.Tensor,
     x: torch.Tensor,
@@ -831,37 +860,20 @@ def rms_norm_bwd(
         refusal_key = (x.get_device(), num_warps, block_r, block_h, stages, n_prog)
         fold = (fold and needs_dw and (COOPERATIVE_LAUNCH or not x.is_cuda)
                 and refusal_key not in _FOLD_REFUSED)
-
-        def launch(fold: bool) -> torch.Tensor | None:
-            if fold:
-                dw = weight.new_empty((n_cols,))
-                counter = fold_counter(x2)
-                # Tiles of up to 32 elements per thread: all the partials a summer needs
-                # are loaded at once where they fit (264 x 8 at 16-bit x 1024).
-                red_p, red_c, n_red = fold_layout(
-                    n_cols, n_prog, _max_summers(x),
-                    (config or {}).get("fold_tile", min(4096, 1024 * num_warps)))
-            else:  # dw_part stands in for the unused pointers
-                dw, counter, (red_p, red_c, n_red) = dw_part, dw_part, (16, 16, 1)
-            spin_ns = (config or {}).get("spin_ns", SPIN_NS) if x.is_cuda else 0
-            _launch(_bwd_rows_kernel, (n_prog, 1, 1),
-                    (x2, w, dy2, rstd, dx2, dw_part, dw, counter, n_rows, n_cols,
-                     x2.stride(0), dy2.stride(0), dx2.stride(0), n_red),
-                    (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages,
-                     fold, red_p, red_c, spin_ns), num_warps, cooperative=fold)
-            if fold:
-                return dw
-            return _sum_partials(dw_part, weight) if needs_dw else None
-
+        args = (x2, w, dy2, rstd, dx2, dw_part, n_rows, n_cols, x2.stride(0), dy2.stride(0),
+                dx2.stride(0))
+        consts = (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages)
         try:
-            dw = launch(fold)
-        except RuntimeError:
+            dw = _launch_fused_bwd(args, consts, weight, num_warps, fold, config)
+        except RuntimeError as err:
             if not fold:
                 raise
             # The driver refused to make the grid resident at once (a GPU shared under
-            # MPS limits, say): from now on sum this launch's partials in a second kernel.
+            # MPS limits, say): from now on this shape sums its partials in a second kernel.
+            warnings.warn(f"tritonnorm: cooperative backward launch refused ({err}); "
+                          "summing dweight in a second kernel", RuntimeWarning, stacklevel=2)
             _FOLD_REFUSED.add(refusal_key)
-            dw = launch(False)
+            dw = _launch_fused_bwd(args, consts, weight, num_warps, False, config)
     if coop is not None or looped:
         dw = _sum_partials(dw_part, weight) if needs_dw else None
     if not needs_dx:
