@@ -15,6 +15,7 @@ import argparse
 import itertools
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -29,10 +30,12 @@ from tritonnorm.ops import kernels
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROWS, HS = 50_000, (1024, 2048, 4096, 8192)
 LARGE_ROWS, LARGE_HS = 4096, (16384, 32768, 65536, 131072)
-OUT = os.environ.get("OUT", ".")
 # TN_DRYRUN=1 (with TRITON_INTERPRET=1): tiny shapes on the CPU, to catch crashes in this
 # script before spending device time.
 DRY = os.environ.get("TN_DRYRUN") == "1"
+# Where overhead.txt and table.md go: $OUT, else the working directory, but never for a
+# dry run, whose figures mean nothing (a temporary directory then).
+OUT = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="gpu_check-") if DRY else ".")
 DEV = "cpu" if DRY else "cuda"
 if DRY:
     ROWS, HS, LARGE_ROWS = 5, (64,), 3
