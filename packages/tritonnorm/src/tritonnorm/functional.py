@@ -9,7 +9,7 @@ from tritonnorm.ops.validation import (
     KERNEL_DTYPES,
     check_eps,
     check_rms_norm_args,
-    kernel_args_ok,
+    kernel_eps,
 )
 
 try:  # Triton is optional: without it (or on a platform it lacks) CUDA tensors use PyTorch.
@@ -64,10 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         return _custom_ops.rms_norm_triton(x, weight, check_eps(eps))
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # Inference: nothing to record for autograd, and no rstd for a backward.
-        if not kernel_args_ok(x, weight, eps):
-            check_rms_norm_args(x, weight, kernel=True)
-            eps = check_eps(eps)
-        return _kernels.rms_norm_fwd(x, weight, eps, need_rstd=False)[0]
+        return _kernels.rms_norm_fwd(x, weight, kernel_eps(x, weight, eps), need_rstd=False)[0]
     return RMSNormFunction.apply(x, weight, eps)
 
 

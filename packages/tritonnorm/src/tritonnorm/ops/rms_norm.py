@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritonnorm.ops import kernels
-from tritonnorm.ops.validation import check_eps, check_rms_norm_args, kernel_args_ok
+from tritonnorm.ops.validation import kernel_eps
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -19,9 +19,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-        if not kernel_args_ok(x, weight, eps):
-            check_rms_norm_args(x, weight, kernel=True)
-            eps = check_eps(eps)
+        eps = kernel_eps(x, weight, eps)
         # No input needs a gradient: no backward will run, so skip rstd.
         need_rstd = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         y, rstd = kernels.rms_norm_fwd(x, weight, eps, need_rstd=need_rstd)

@@ -74,3 +74,15 @@ def kernel_args_ok(x, weight, eps) -> bool:
         and x.shape[-1] == weight.shape[0] != 0
         and x.device == weight.device
     )
+
+
+def kernel_eps(x, weight, eps) -> float:
+    """Check (x, weight, eps) for the Triton kernels and return eps as a float.
+
+    The hot path costs one ``kernel_args_ok``; only arguments it rejects go through the
+    full checks, which raise a clear error or accept (an int eps, say).
+    """
+    if kernel_args_ok(x, weight, eps):
+        return eps
+    check_rms_norm_args(x, weight, kernel=True)
+    return check_eps(eps)
