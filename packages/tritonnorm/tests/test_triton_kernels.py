@@ -330,6 +330,68 @@ def test_launch_key_tracks_triton_specialisation():
     assert k._arg_key(True) != k._arg_key(1)
 
 
+def test_direct_args_key_and_addresses():
+    k = _kernels()
+    t = torch.empty(64, dtype=torch.float32)
+    args = (t, t[1:], 1, 32, 33, True, 1e-5)
+    key, direct = k._direct_args(args)
+    assert key == tuple(map(k._arg_key, args))
+    assert direct == [t.data_ptr(), t[1:].data_ptr(), 1, 32, 33, True, 1e-5]
+
+
+def test_launchers_reject_misplaced_or_misshapen_tensors(kernel_device):
+    # The direct launch hands Triton bare addresses, so the launchers check what Triton's
+    # own pointer query used to catch (a tensor on another device), and grad_output's shape.
+    k = _kernels()
+    x, w, dy = random_inputs((4, 32), torch.float32, torch.float32, seed=2, device=kernel_device)
+    with pytest.raises(ValueError, match="weight"):
+        k.rms_norm_fwd(x, w.to("meta"), 1e-5)
+    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+    with pytest.raises(ValueError, match="grad_output"):
+        k.rms_norm_bwd(dy[:, :16], x, w, rstd)
+    with pytest.raises(ValueError, match="grad_output"):
+        k.rms_norm_bwd(dy.to("meta"), x, w, rstd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch is GPU-only")
+@pytest.mark.parametrize("hooked", [False, True], ids=["no_hook", "launch_hook"])
+@pytest.mark.parametrize("dtype,rows,h", [(torch.bfloat16, 999, 1024), (torch.float32, 37, 300),
+                                          (torch.float16, 33, 20000)], ids=str)
+def test_direct_launch_matches_jit_launch(monkeypatch, dtype, rows, h, hooked):
+    # Bitwise the same results through the JIT, the cached direct launch (Triton's bare
+    # launcher with tensor addresses) and, with a launch hook registered, Triton's full
+    # launch path; inputs at an address that is not 16-byte aligned take their own kernel.
+    k = _kernels()
+    if not k.DIRECT_LAUNCH:
+        pytest.skip("this Triton has no direct launch")
+    calls = []
+
+    def hook(metadata):
+        calls.append(metadata)
+
+    if hooked:
+        if k._HOOKS is None:
+            pytest.skip("this Triton has no launch hook chains")
+        k._HOOKS[0].add(hook)
+    try:
+        x, w, dy = random_inputs((rows + 1, h), dtype, dtype, seed=rows,
+                                 device=torch.device("cuda"))
+        misaligned = x.view(-1)[1:rows * h + 1].view(rows, h)
+        outs = []  # [jit aligned, jit misaligned, direct aligned, direct misaligned, ...]
+        for direct in (False, True, True):
+            monkeypatch.setattr(k, "DIRECT_LAUNCH", direct)
+            for xs, dys in ((x[:rows], dy[:rows]), (misaligned, dy[1:])):
+                y, rstd = k.rms_norm_fwd(xs, w, 1e-5)
+                outs.append((y, *k.rms_norm_bwd(dys, xs, w, rstd)))
+        assert k.DIRECT_LAUNCH, "the direct launch fell back to the JIT"
+    finally:
+        if hooked:
+            k._HOOKS[0].remove(hook)
+    for i, got in enumerate(outs[2:], start=2):
+        assert all(torch.equal(a, b) for a, b in zip(outs[i % 2], got)), i
+    assert bool(calls) == hooked
+
+
 def test_non_contiguous_inputs(kernel_device):
     x, w, dy = random_inputs((6, 4, 80), torch.float32, torch.float32, seed=5, device=kernel_device)
     xs = x[:, :, ::2]  # column stride 2
