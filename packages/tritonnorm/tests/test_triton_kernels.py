@@ -212,6 +212,42 @@ def test_folded_sum_under_cuda_graphs():
             assert torch.equal(dx, eager[0]) and torch.equal(dw, eager[1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+def test_partials_buffer_shared_per_stream_only():
+    # Eager backward launches on one stream share one partials buffer (they run one after
+    # another); other streams and captured launches get their own. Backward passes queued
+    # on two streams at once give bitwise the results they give one at a time.
+    k = _kernels()
+    dev = torch.device("cuda")
+    x = torch.empty(4, 8, device=dev)
+    a = k.partials_buffer(x, 4, 8)
+    assert k.partials_buffer(x, 4, 8) is a and k.partials_buffer(x, 5, 8) is not a
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        b = k.partials_buffer(x, 5, 8)
+        assert k.partials_buffer(x, 5, 8) is b
+    assert b is not k.partials_buffer(x, 5, 8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = k.partials_buffer(x, 5, 8)
+    assert captured is not k.partials_buffer(x, 5, 8) and captured is not b
+    inputs = [random_inputs((3000, 1000), torch.bfloat16, torch.bfloat16, seed=s, device=dev)
+              for s in (1, 2)]
+    rstds = [k.rms_norm_fwd(xi, wi, 1e-5)[1] for xi, wi, _ in inputs]
+    alone = [k.rms_norm_bwd(dy, xi, wi, r) for (xi, wi, dy), r in zip(inputs, rstds)]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(dev) for _ in inputs]
+    together = []
+    for _ in range(3):
+        for st_, (xi, wi, dy), r in zip(streams, inputs, rstds):
+            st_.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(st_):
+                together.append(k.rms_norm_bwd(dy, xi, wi, r))
+    torch.cuda.synchronize()
+    for i, got in enumerate(together):
+        assert all(torch.equal(g, e) for g, e in zip(got, alone[i % 2])), i
+
+
 @pytest.mark.parametrize("cfg", [None, {"chunk": 32}, {"chunk": 32, "even": True},
                                  {"looped": True, "chunk": 32}], ids=str)
 def test_forward_without_rstd(kernel_device, cfg):

@@ -796,6 +796,27 @@ def fold_counter(x: torch.Tensor) -> torch.Tensor:
     return counter
 
 
+# The fused backward's [programs, H] float32 partial weight gradients live only until the
+# dweight sum that follows them on the same stream (in the same launch, when folded), so
+# eager launches on one stream share one buffer per (device, stream), like the counters:
+# an allocation costs several µs of host time, the whole cost of a small backward. The
+# latest shape is kept (a few MB at most: SMs x programs per SM x H x 4 bytes). A launch
+# captured into a CUDA graph gets a buffer of its own, from the graph's memory pool.
+_PARTIALS: dict = {}
+
+
+def partials_buffer(x: torch.Tensor, n_prog: int, n_cols: int) -> torch.Tensor:
+    """An uninitialised float32 [n_prog, n_cols] buffer for the fused backward's partials."""
+    device = x.get_device()
+    if device < 0 or torch.cuda.is_current_stream_capturing():
+        return x.new_empty((n_prog, n_cols), dtype=torch.float32)
+    key = (device, _current_stream(device))
+    buf = _PARTIALS.get(key)
+    if buf is None or buf.shape[0] != n_prog or buf.shape[1] != n_cols:
+        buf = _PARTIALS[key] = x.new_empty((n_prog, n_cols), dtype=torch.float32)
+    return buf
+
+
 def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warps: int,
                       fold: bool, config: dict | None) -> torch.Tensor | None:
     """Launch _bwd_rows_kernel; return dweight (None when it is not needed).
@@ -903,7 +924,7 @@ def rms_norm_bwd(
                     (chunk, _pow2_at_least(n_slices)), num_warps)
     else:
         n_prog = min(_cdiv(n_rows, block_r), _n_programs(x, per_sm))
-        dw_part = x2.new_empty((n_prog, n_cols), dtype=torch.float32)
+        dw_part = partials_buffer(x2, n_prog, n_cols)
         # Prefetch into registers only where the loop is not pipelined, and where two
         # tiles fit in registers.
         prefetch = stages == 1 and block_h <= 8192
