@@ -17,7 +17,7 @@ from tritonnorm.ops.reference import (
     rms_norm_reference,
 )
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 __all__ = [
     "HAS_TRITON",
