@@ -776,17 +776,28 @@ _COUNTER_POOLS: dict = {}
 COUNTER_POOL_SIZE = 1024
 
 
+def _eager_stream(x: torch.Tensor) -> tuple[int, int] | None:
+    """(device, current stream) of an eager launch on ``x``'s GPU, the key of the state
+    that launches on one stream share; None on the CPU or while a CUDA graph is being
+    captured, where nothing may be shared."""
+    device = x.get_device()
+    if device < 0 or torch.cuda.is_current_stream_capturing():
+        return None
+    return device, _current_stream(device)
+
+
 def fold_counter(x: torch.Tensor) -> torch.Tensor:
     """Zeroed int32 counters for a folded backward launch on ``x``'s device (see above)."""
-    device = x.get_device()
-    if device < 0:
-        return torch.zeros(4, dtype=torch.int32)
-    if torch.cuda.is_current_stream_capturing():
-        pool = _COUNTER_POOLS.get(device)
+    key = _eager_stream(x)
+    if key is None:
+        device = x.get_device()
+        if device < 0:
+            return torch.zeros(4, dtype=torch.int32)
+        pool = _COUNTER_POOLS.get(device)  # capturing a CUDA graph
         if pool is None or not pool:
             return torch.zeros(4, dtype=torch.int32, device=x.device)
         return pool.pop()
-    key = (device, _current_stream(device))
+    device = key[0]
     counter = _COUNTERS.get(key)
     if counter is None:
         if device not in _COUNTER_POOLS:
@@ -807,10 +818,9 @@ _PARTIALS: dict = {}
 
 def partials_buffer(x: torch.Tensor, n_prog: int, n_cols: int) -> torch.Tensor:
     """An uninitialised float32 [n_prog, n_cols] buffer for the fused backward's partials."""
-    device = x.get_device()
-    if device < 0 or torch.cuda.is_current_stream_capturing():
+    key = _eager_stream(x)
+    if key is None:
         return x.new_empty((n_prog, n_cols), dtype=torch.float32)
-    key = (device, _current_stream(device))
     buf = _PARTIALS.get(key)
     if buf is None or buf.shape[0] != n_prog or buf.shape[1] != n_cols:
         buf = _PARTIALS[key] = x.new_empty((n_prog, n_cols), dtype=torch.float32)
