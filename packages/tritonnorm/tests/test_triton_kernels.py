@@ -26,6 +26,30 @@ def _kernels():
     return kernels
 
 
+def _launcher():
+    from tritonnorm.ops import launcher
+
+    return launcher
+
+
+def _workspaces():
+    from tritonnorm.ops import workspaces
+
+    return workspaces
+
+
+def _launch_config():
+    from tritonnorm.ops import launch_config
+
+    return launch_config
+
+
+def _options():
+    from tritonnorm.ops.options import OPTIONS
+
+    return OPTIONS
+
+
 def _run(x, w, dy, eps=1e-5, fn=None):
     xa = x.clone().requires_grad_()
     wa = w.clone().requires_grad_()
@@ -58,13 +82,10 @@ def test_function_matches_float64(kernel_device, dtype, w32, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_looped_path(kernel_device, monkeypatch, dtype):
     # Force the looped kernels (rows longer than one block) on small rows.
-    k = _kernels()
-    monkeypatch.setattr(k, "MAX_FUSED_BLOCK_FWD", 16)
-    monkeypatch.setattr(k, "MAX_FUSED_BLOCK_BWD", 16)
-    monkeypatch.setattr(k, "LOOP_CHUNK", 32)
-    monkeypatch.setattr(k, "LOOP_CHUNK_BWD", 32)
     x, w, dy = random_inputs((9, 100), dtype, torch.float32, seed=3, device=kernel_device)
-    _check(x, w, dy)
+    with _options().override(max_fused_block_fwd=16, max_fused_block_bwd=16, loop_chunk=32,
+                             loop_chunk_bwd=32):
+        _check(x, w, dy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -118,7 +139,7 @@ def test_cooperative_grid_fits_and_covers_every_column(rows, cols, block, progra
     # The waits are safe only if every program of the grid can be resident at once: the
     # grid must never exceed the programs asked for (one per SM), and slices must cover
     # the row exactly once.
-    layout = _kernels().coop_layout(rows, cols, block, programs)
+    layout = _launch_config().coop_layout(rows, cols, block, programs)
     if layout is None:
         assert -(-cols // block) > programs
         return
@@ -148,9 +169,9 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     # loads in flight) change only the order of float32 additions or none: every variant
     # stays within tolerance of float64.
     k = _kernels()
-    monkeypatch.setattr(k, "FOLD_DW_SUM", reduce == "fold")
+    monkeypatch.setattr(_options(), "fold_dw_sum", reduce == "fold")
     if reduce != "fold":
-        monkeypatch.setattr(k, "DW_REDUCE", reduce)
+        monkeypatch.setattr(_options(), "dw_reduce", reduce)
     x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
                              device=kernel_device)
     _check(x, w, dy)
@@ -187,7 +208,7 @@ def test_folded_dweight_sum(kernel_device, shape, w_dtype):
     assert rel_err(runs[0][0], dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
     unfolded = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": False, "block_r": 1})[1]
     assert rel_err(runs[0][1], unfolded) < (1e-5 if w.dtype == torch.float32 else TOL[w.dtype])
-    for c in k._COUNTERS.values():
+    for c in _workspaces()._COUNTERS.values():
         assert c[0].item() == 0  # the arrival count, reset by the last arrival
 
 
@@ -200,11 +221,11 @@ def test_folded_sum_under_cuda_graphs():
                              device=torch.device("cuda"))
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
     eager = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})  # makes the pool
-    free = len(k._COUNTER_POOLS[x.get_device()])
+    free = len(_workspaces()._COUNTER_POOLS[x.get_device()])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True}) for _ in range(2)]
-    assert len(k._COUNTER_POOLS[x.get_device()]) == free - 2
+    assert len(_workspaces()._COUNTER_POOLS[x.get_device()]) == free - 2
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -218,19 +239,20 @@ def test_partials_buffer_shared_per_stream_only():
     # another); other streams and captured launches get their own. Backward passes queued
     # on two streams at once give bitwise the results they give one at a time.
     k = _kernels()
+    buffer = _workspaces().partials_buffer
     dev = torch.device("cuda")
     x = torch.empty(4, 8, device=dev)
-    a = k.partials_buffer(x, 4, 8)
-    assert k.partials_buffer(x, 4, 8) is a and k.partials_buffer(x, 5, 8) is not a
+    a = buffer(x, 4, 8)
+    assert buffer(x, 4, 8) is a and buffer(x, 5, 8) is not a
     side = torch.cuda.Stream(dev)
     with torch.cuda.stream(side):
-        b = k.partials_buffer(x, 5, 8)
-        assert k.partials_buffer(x, 5, 8) is b
-    assert b is not k.partials_buffer(x, 5, 8)
+        b = buffer(x, 5, 8)
+        assert buffer(x, 5, 8) is b
+    assert b is not buffer(x, 5, 8)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = k.partials_buffer(x, 5, 8)
-    assert captured is not k.partials_buffer(x, 5, 8) and captured is not b
+        captured = buffer(x, 5, 8)
+    assert captured is not buffer(x, 5, 8) and captured is not b
     inputs = [random_inputs((3000, 1000), torch.bfloat16, torch.bfloat16, seed=s, device=dev)
               for s in (1, 2)]
     rstds = [k.rms_norm_fwd(xi, wi, 1e-5)[1] for xi, wi, _ in inputs]
@@ -304,7 +326,7 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
         return real(kernel, grid, args, consts, num_warps, cooperative)
 
     monkeypatch.setattr(k, "_launch", refusing)
-    monkeypatch.setattr(k, "COOPERATIVE_LAUNCH", True)
+    monkeypatch.setattr(_options(), "cooperative_launch", True)
     x, w, dy = random_inputs((20, 64), torch.float32, torch.float32, seed=12,
                              device=kernel_device)
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
@@ -324,7 +346,7 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
 def test_fold_layout_covers_every_column(n_cols, n_part, max_summers, max_tile):
     # Summer r takes column blocks r, r + summers, ...: with at most max_summers and
     # n_part summers, and none without a block, every column is summed exactly once.
-    block_p, block_c, summers = _kernels().fold_layout(n_cols, n_part, max_summers, max_tile)
+    block_p, block_c, summers = _launch_config().fold_layout(n_cols, n_part, max_summers, max_tile)
     assert 1 <= summers <= min(n_part, max_summers)
     assert (summers - 1) * block_c < n_cols
     assert block_p * block_c <= max(max_tile, 16 * 8) and block_p >= 16 and block_c >= 8
@@ -336,13 +358,12 @@ def test_fold_layout_covers_every_column(n_cols, n_part, max_summers, max_tile):
 def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
     # A CUDA cooperative launch (where Triton offers it) only changes how the grid is
     # scheduled: the same kernels give bitwise the same results as an ordinary launch.
-    k = _kernels()
     x, w, dy = random_inputs((300, 1000), torch.bfloat16, torch.float32, seed=8,
                              device=torch.device("cuda"))
     cfg = {"looped": True, "coop": True, "coop_block": 64, "coop_warps": 4}
     results = []
-    for cooperative in (False, k.COOPERATIVE_LAUNCH):
-        monkeypatch.setattr(k, "COOPERATIVE_LAUNCH", cooperative)
+    for cooperative in (False, _options().cooperative_launch):
+        monkeypatch.setattr(_options(), "cooperative_launch", cooperative)
         results.append(_check_kernels(x, w, dy, cfg))
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -350,28 +371,28 @@ def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
 
 def test_cooperative_launch_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not _kernels()._has_cooperative_launch()
+    from tritonnorm.ops.options import _has_cooperative_launch
+
+    assert not _has_cooperative_launch()
 
 
 def test_launch_key_tracks_triton_specialisation():
     # The direct-launch cache must tell apart every case Triton compiles separately.
-    k = _kernels()
     base = torch.empty(64, dtype=torch.float32)
-    assert k._arg_key(base) != k._arg_key(base[1:])  # 16-byte alignment
-    assert k._arg_key(base) != k._arg_key(base.to(torch.bfloat16))  # dtype
-    assert k._arg_key(1) != k._arg_key(17)  # == 1 is a constant to Triton
-    assert k._arg_key(32) != k._arg_key(33)  # divisibility by 16
-    assert k._arg_key(16) != k._arg_key(2**31 + 16)  # int32 vs int64
-    assert k._arg_key(17) == k._arg_key(33)
-    assert k._arg_key(True) != k._arg_key(1)
+    assert _launcher()._arg_key(base) != _launcher()._arg_key(base[1:])  # 16-byte alignment
+    assert _launcher()._arg_key(base) != _launcher()._arg_key(base.to(torch.bfloat16))  # dtype
+    assert _launcher()._arg_key(1) != _launcher()._arg_key(17)  # == 1 is a constant to Triton
+    assert _launcher()._arg_key(32) != _launcher()._arg_key(33)  # divisibility by 16
+    assert _launcher()._arg_key(16) != _launcher()._arg_key(2**31 + 16)  # int32 vs int64
+    assert _launcher()._arg_key(17) == _launcher()._arg_key(33)
+    assert _launcher()._arg_key(True) != _launcher()._arg_key(1)
 
 
 def test_direct_args_key_and_addresses():
-    k = _kernels()
     t = torch.empty(64, dtype=torch.float32)
     args = (t, t[1:], 1, 32, 33, True, 1e-5)
-    key, direct = k._direct_args(args)
-    assert key == tuple(map(k._arg_key, args))
+    key, direct = _launcher()._direct_args(args)
+    assert key == tuple(map(_launcher()._arg_key, args))
     assert direct == [t.data_ptr(), t[1:].data_ptr(), 1, 32, 33, True, 1e-5]
 
 
@@ -398,7 +419,7 @@ def test_direct_launch_matches_jit_launch(monkeypatch, dtype, rows, h, hooked):
     # launcher with tensor addresses) and, with a launch hook registered, Triton's full
     # launch path; inputs at an address that is not 16-byte aligned take their own kernel.
     k = _kernels()
-    if not k.DIRECT_LAUNCH:
+    if not _options().direct_launch:
         pytest.skip("this Triton has no direct launch")
     calls = []
 
@@ -406,23 +427,23 @@ def test_direct_launch_matches_jit_launch(monkeypatch, dtype, rows, h, hooked):
         calls.append(metadata)
 
     if hooked:
-        if k._HOOKS is None:
+        if _launcher()._HOOKS is None:
             pytest.skip("this Triton has no launch hook chains")
-        k._HOOKS[0].add(hook)
+        _launcher()._HOOKS[0].add(hook)
     try:
         x, w, dy = random_inputs((rows + 1, h), dtype, dtype, seed=rows,
                                  device=torch.device("cuda"))
         misaligned = x.view(-1)[1:rows * h + 1].view(rows, h)
         outs = []  # [jit aligned, jit misaligned, direct aligned, direct misaligned, ...]
         for direct in (False, True, True):
-            monkeypatch.setattr(k, "DIRECT_LAUNCH", direct)
+            monkeypatch.setattr(_options(), "direct_launch", direct)
             for xs, dys in ((x[:rows], dy[:rows]), (misaligned, dy[1:])):
                 y, rstd = k.rms_norm_fwd(xs, w, 1e-5)
                 outs.append((y, *k.rms_norm_bwd(dys, xs, w, rstd)))
-        assert k.DIRECT_LAUNCH, "the direct launch fell back to the JIT"
+        assert _options().direct_launch, "the direct launch fell back to the JIT"
     finally:
         if hooked:
-            k._HOOKS[0].remove(hook)
+            _launcher()._HOOKS[0].remove(hook)
     for i, got in enumerate(outs[2:], start=2):
         assert all(torch.equal(a, b) for a, b in zip(outs[i % 2], got)), i
     assert bool(calls) == hooked
@@ -508,20 +529,26 @@ def test_all_implementations_agree(rows, h, dtype, eps, scale, seed):
     assert rel_err(tri[0], rms_norm_reference(x.double(), w.double(), eps)) < TOL[dtype]
 
 
-def test_custom_ops_and_compile(kernel_device):
-    from tritonnorm.ops import custom_ops
+def test_compiler_ops_and_compile(kernel_device):
+    from tritonnorm.ops import compiler_ops
 
-    if not custom_ops.AVAILABLE:
+    if not compiler_ops.AVAILABLE:
         pytest.skip("torch.library.custom_op needs PyTorch 2.4")
     x, w, dy = random_inputs((6, 40), torch.float32, torch.float32, seed=11, device=kernel_device)
-    _check(x, w, dy, fn=custom_ops.rms_norm_triton)
-    torch.library.opcheck(custom_ops.rms_norm_fwd_op, (x, w, 1e-5))
-    rstd = custom_ops.rms_norm_fwd_op(x, w, 1e-5)[1]
-    torch.library.opcheck(custom_ops.rms_norm_bwd_op, (dy, x, w, rstd, True, False))
-    # fullgraph tracing through the fake implementations and the registered autograd.
-    fn = torch.compile(lambda a, b: custom_ops.rms_norm_triton(a, b, 1e-5), fullgraph=True,
-                       backend="aot_eager")
-    _check(x, w, dy, fn=lambda a, b, eps: fn(a, b))
+    _check(x, w, dy, fn=lambda a, b, eps: compiler_ops.rms_norm_fwd(a, b, eps)[0])
+    # Tracing a triton_op runs its body on fake tensors, which Triton's interpreter (the
+    # CPU) cannot take: the tracing checks need CUDA.
+    utils = (None if kernel_device.type == "cuda"
+             else ("test_schema", "test_autograd_registration"))
+    kw = {} if utils is None else {"test_utils": utils}
+    torch.library.opcheck(compiler_ops.rms_norm_fwd, (x, w, 1e-5), **kw)
+    rstd = compiler_ops.rms_norm_fwd(x, w, 1e-5)[1]
+    torch.library.opcheck(compiler_ops.rms_norm_bwd, (dy, x, w, rstd, True, False), **kw)
+    if kernel_device.type == "cuda":
+        # fullgraph tracing through the operators and their registered autograd.
+        fn = torch.compile(lambda a, b: compiler_ops.rms_norm_fwd(a, b, 1e-5)[0],
+                           fullgraph=True, backend="aot_eager")
+        _check(x, w, dy, fn=lambda a, b, eps: fn(a, b))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the module uses the kernels on CUDA")

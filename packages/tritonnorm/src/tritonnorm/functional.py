@@ -1,4 +1,5 @@
-"""``rms_norm``: one entry point that picks the Triton kernels or plain PyTorch."""
+"""``rms_norm`` and ``fused_add_rms_norm``: entry points that pick the Triton kernels or
+plain PyTorch."""
 
 from __future__ import annotations
 
@@ -8,31 +9,68 @@ from tritonnorm.ops.reference import RMSNormTorchFunction
 from tritonnorm.ops.validation import (
     KERNEL_DTYPES,
     check_eps,
+    check_residual,
     check_rms_norm_args,
     kernel_eps,
 )
 
 try:  # Triton is optional: without it (or on a platform it lacks) CUDA tensors use PyTorch.
-    from tritonnorm.ops import custom_ops as _custom_ops
+    from tritonnorm.ops import compiler_ops as _compiler_ops
     from tritonnorm.ops import kernels as _kernels
-    from tritonnorm.ops.rms_norm import RMSNormFunction
+    from tritonnorm.ops.autograd import FusedAddRMSNormFunction, RMSNormFunction
+    from tritonnorm.ops.options import OPTIONS
 
     HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    _custom_ops = None
-    _kernels = None
-    RMSNormFunction = None
+    TRITON_IMPORT_ERROR: ImportError | None = None
+except ImportError as _err:  # pragma: no cover - depends on the environment
+    _compiler_ops = _kernels = OPTIONS = None
     HAS_TRITON = False
+    TRITON_IMPORT_ERROR = _err
+
+    class _KernelsUnavailable:
+        """Stands in for the kernels' autograd.Functions: ``apply`` says what is missing."""
+
+        @staticmethod
+        def apply(*args, **kwargs):
+            raise triton_unavailable_error()
+
+    FusedAddRMSNormFunction = RMSNormFunction = _KernelsUnavailable
+
+
+def triton_unavailable_error() -> ImportError:
+    """The error to raise when the Triton kernels are asked for but cannot be imported."""
+    hint = ("install numpy too (pip install 'tritonnorm[interpret]'): Triton's interpreter "
+            "needs it" if "numpy" in str(TRITON_IMPORT_ERROR) else
+            "install triton (it comes with torch on Linux)")
+    return ImportError(f"tritonnorm's Triton kernels cannot be imported "
+                       f"({TRITON_IMPORT_ERROR}); {hint}")
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()  # pragma: no cover - PyTorch < 2.3
+
+
+def _use_kernels(x, weight) -> bool:
+    return (HAS_TRITON and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES)
+
+
+def _via_op() -> bool:
+    """Under torch.compile (or when asked), go through the registered operators."""
+    return _compiler_ops.AVAILABLE and (_is_compiling() or OPTIONS.eager_op)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """RMSNorm over the last dimension: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
-    CUDA tensors in float32/float16/bfloat16 run the Triton kernels (through the
-    ``tritonnorm::`` custom ops, so ``torch.compile(fullgraph=True)`` keeps them); anything
-    else runs ``RMSNormTorchFunction``. Differentiable in ``x`` and ``weight``; where no
-    gradient can flow (grad mode off, or neither input requires grad) the forward kernel
-    runs alone, without autograd and without writing the per-row statistic.
+    CUDA tensors in float32/float16/bfloat16 run the Triton kernels; anything else runs
+    ``RMSNormTorchFunction``. Eager calls go through ``RMSNormFunction``; under
+    ``torch.compile`` through ``torch.ops.tritonnorm.rms_norm_fwd``, which Inductor
+    launches itself (``fullgraph=True`` and ``mode="reduce-overhead"`` work). Where no
+    gradient can flow the forward kernel runs alone, without writing the per-row statistic.
 
     Args:
         x: input of shape (*, H).
@@ -46,34 +84,61 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         ValueError: weight is not of shape (H,), or x and weight are on different devices.
         TypeError: a non-floating dtype.
     """
-    use_kernels = (
-        HAS_TRITON
-        and isinstance(x, torch.Tensor)
-        and isinstance(weight, torch.Tensor)
-        and x.is_cuda
-        and x.dtype in KERNEL_DTYPES
-        and weight.dtype in KERNEL_DTYPES
-    )
-    if not use_kernels:
+    if not _use_kernels(x, weight):
         return RMSNormTorchFunction.apply(x, weight, eps)
-    # Under torch.compile the custom op keeps the kernels in the graph (fullgraph works);
-    # in eager mode the autograd.Function runs the same kernels with less Python overhead
-    # (and checks its arguments itself: the hot path checks them once).
-    if _custom_ops.AVAILABLE and (_is_compiling() or FORCE_CUSTOM_OP):
+    if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
-        return _custom_ops.rms_norm_triton(x, weight, check_eps(eps))
+        return _compiler_ops.rms_norm_fwd(x, weight, check_eps(eps))[0]
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # Inference: nothing to record for autograd, and no rstd for a backward.
         return _kernels.rms_norm_fwd(x, weight, kernel_eps(x, weight, eps), need_rstd=False)[0]
     return RMSNormFunction.apply(x, weight, eps)
 
 
-# Route eager calls through the custom op too (benchmarks and tests set this).
-FORCE_CUSTOM_OP = False
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual, weight, eps), x + residual)`` in one pass each way.
 
+    The pre-norm Transformer's ``h = h + branch(...)`` then ``norm(h)``: on CUDA one
+    Triton kernel reads x and residual once and writes the sum and the normalised sum,
+    and one backward kernel reads the two incoming gradients and the sum once. This
+    saves a full read and write of the residual stream at every norm. New tensors are
+    returned; the inputs are never modified (which torch.compile and CUDA graphs need).
 
-def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
-    return torch._dynamo.is_compiling()  # PyTorch < 2.3
+    The sum is rounded to **x's dtype** (pass the residual stream as ``x`` when it is
+    float32 and the branch output half precision), and y is computed from the rounded
+    sum, exactly as ``rms_norm((x + residual).to(x.dtype), weight)`` would.
+
+    Args:
+        x: input of shape (*, H); the sum takes its dtype.
+        residual: what to add to x: x's shape and device, any floating dtype the kernels
+            take.
+        weight: gain of shape (H,).
+        eps: added to the mean square before the square root.
+
+    Returns:
+        (y, x + residual), both with x's shape and dtype.
+
+    Raises:
+        ValueError: residual's shape or device differs from x's, or weight is not (H,).
+        TypeError: a non-floating dtype.
+    """
+    if not (_use_kernels(x, weight) and isinstance(residual, torch.Tensor)
+            and residual.dtype in KERNEL_DTYPES):
+        check_rms_norm_args(x, weight)
+        check_residual(x, residual)
+        s = (x + residual).to(x.dtype)
+        return RMSNormTorchFunction.apply(s, weight, eps), s
+    if residual.shape != x.shape or residual.device != x.device:
+        check_residual(x, residual, kernel=True)
+    if _via_op():
+        check_rms_norm_args(x, weight, kernel=True)
+        y, s, _ = _compiler_ops.fused_add_rms_norm_fwd(x, residual, weight, check_eps(eps))
+        return y, s
+    if not (torch.is_grad_enabled()
+            and (x.requires_grad or residual.requires_grad or weight.requires_grad)):
+        y, s, _ = _kernels.fused_add_rms_norm_fwd(x, residual, weight,
+                                                  kernel_eps(x, weight, eps), need_rstd=False)
+        return y, s
+    return FusedAddRMSNormFunction.apply(x, residual, weight, eps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonnorm.functional import rms_norm
+from tritonnorm.functional import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,7 @@ class RMSNorm(nn.Module):
 
     Its only parameter is ``weight`` (shape (hidden_size,), initialised to ones), so its
     state dict loads into ``torch.nn.RMSNorm(hidden_size)`` and back. On CUDA it runs the
-    Triton kernels through custom ops (``torch.compile(fullgraph=True)`` works).
+    Triton kernels (under ``torch.compile`` as Triton operators Inductor launches itself).
 
     Args:
         hidden_size: H, the size of the normalised last dimension.
@@ -44,3 +44,14 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """``forward(x, residual) -> (norm(x + residual), x + residual)``, fused.
+
+    The module form of ``fused_add_rms_norm``: same parameter (and state dict) as
+    ``RMSNorm``. The sum takes x's dtype; pass the residual stream as ``x``.
+    """
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):  # type: ignore[override]
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -86,3 +86,23 @@ def kernel_eps(x, weight, eps) -> float:
         return eps
     check_rms_norm_args(x, weight, kernel=True)
     return check_eps(eps)
+
+
+def check_residual(x: torch.Tensor, residual: torch.Tensor, *, kernel: bool = False) -> None:
+    """Raise a clear error unless ``residual`` can be added to ``x`` by fused_add_rms_norm.
+
+    Raises:
+        TypeError: residual is not a tensor, or not of a floating dtype (one the kernels
+            take, where they run).
+        ValueError: residual's shape or device differs from x's.
+    """
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if not residual.dtype.is_floating_point or (kernel and residual.dtype not in KERNEL_DTYPES):
+        raise TypeError(f"residual must have a floating-point dtype the kernels take "
+                        f"(float32, float16, bfloat16), got {residual.dtype}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has shape "
+                         f"{tuple(x.shape)}; fused_add_rms_norm adds them elementwise")
+    if residual.device != x.device:
+        raise ValueError(f"x is on {x.device} but residual is on {residual.device}")

@@ -1,0 +1,257 @@
+"""Triton kernels for rows that fit one block of registers (the "rows" kernels).
+
+* The forward reads a tile of BLOCK_R rows once (or, where it measured faster, twice, the
+  second read from L2) and writes y and one float32 rstd per row; with a residual it adds
+  it first and writes the sum too.
+* The backward is a persistent grid (a few programs per SM) whose programs walk over row
+  tiles, with the next tiles' loads in flight, write dx and keep a float32 partial weight
+  gradient in registers, stored once per program into a [n_programs, H] buffer.
+* The partials are summed over programs in a fixed order: by the backward's last programs
+  to finish, in the same launch (``_sum_partials_tail``), or by ``_sum_partials_kernel``.
+  Nothing is accumulated with atomics (they only count arrivals), so two runs give
+  bitwise the same results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_rows_kernel(
+    X, R, W, Y, S, RSTD, n_rows, n_cols, stride_x, stride_r, stride_y, eps,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, STORE_RSTD: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # One tile of BLOCK_R whole rows per program: one read of x, one write of y (and of
+    # rstd, unless no backward will need it). HAS_RES: x + residual first (one read of
+    # each), rounded to S's dtype and written to S (stride_y), then normalised as read
+    # back from S would be, so the backward can start from S alone.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + rows64[:, None] * stride_y + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _nanosleep(ns: tl.constexpr):
+    # Pause this warp for about ``ns`` nanoseconds (PTX nanosleep, sm_70 and later).
+    return tl.inline_asm_elementwise(f"nanosleep.u32 {ns}; mov.u32 $0, 0;", "=r", [],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sum_partials_tail(PART, OUT, COUNTER, gen, n_part, n_cols, n_red,
+                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, SPIN_NS: tl.constexpr):
+    # The end of a persistent kernel whose n_part programs have each stored one float32
+    # row of PART: the last n_red programs to get here sum PART's columns into OUT (the
+    # others just exit), which saves a second launch. COUNTER holds two int32: an arrival
+    # count, zero on entry and reset by the last arrival, and a generation that the last
+    # arrival bumps to release the other summers; ``gen`` is the generation each program
+    # read when it started (nothing changes it before every program has arrived).
+    #
+    # Waiting is safe: the launch is cooperative (every program resident at once). Even
+    # without that, a summer waits only for programs that arrive after it, all of which
+    # are summers too, and n_red is at most the number of SMs, so while any is yet to
+    # start, fewer than n_red waiters hold SMs and it finds a place.
+    # Ordering: the CTA barrier puts every thread's stores of the partial before the one
+    # thread's release (the arrival); the last arrival acquires them all and releases
+    # them again with the generation, which the other summers acquire; their loads then
+    # bypass L1 (.cg).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
+    r = ticket - (n_part - n_red)
+    if r >= 0:
+        if ticket == n_part - 1:
+            tl.atomic_xchg(COUNTER, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(COUNTER + 1, 1, sem="release", scope="gpu")
+        else:
+            while tl.atomic_add(COUNTER + 1, 0, sem="acquire", scope="gpu") == gen:
+                if SPIN_NS > 0:  # poll gently: the programs still running need the L2
+                    _nanosleep(SPIN_NS)
+        tl.debug_barrier()
+        # Summer r owns column blocks r, r + n_red, ...; each column adds the partials in
+        # the same order every time (bitwise reproducible).
+        for c0 in range(r * BLOCK_C, n_cols, n_red * BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_ok = cols < n_cols
+            acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+            for p0 in range(0, n_part, BLOCK_P):
+                p = p0 + tl.arange(0, BLOCK_P)
+                acc += tl.load(PART + p.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                               mask=(p < n_part)[:, None] & col_ok[None, :], other=0.0,
+                               cache_modifier=".cg")
+            tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    X, W, DY, RSTD, DX, DW_PART, DS, DR, DW, COUNTER, n_rows, n_cols, stride_x, stride_dy,
+    stride_dx, stride_ds, n_red,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_SUM: tl.constexpr, STAGES: tl.constexpr,
+    HAS_DS: tl.constexpr, HAS_DR: tl.constexpr,
+    FOLD: tl.constexpr, RED_P: tl.constexpr, RED_C: tl.constexpr, SPIN_NS: tl.constexpr,
+):
+    # HAS_DS (the fused residual add's backward): x is the sum s = x + residual, and the
+    # gradient reaching s directly (DS) is added to dx; HAS_DR also writes that same
+    # gradient in the residual's dtype to DR (stride_dx).
+    # Persistent grid: program pid walks over row tiles pid, pid + P, ...; writes dx per
+    # tile and keeps its share of dweight in float32 registers until the end. A program
+    # needs loads in flight while it works on a tile, in one of two ways:
+    # * STAGES > 1: Triton's loop pipeliner copies the next STAGES - 1 tiles' x, dy and
+    #   rstd into shared memory asynchronously (cp.async), so the registers hold only the
+    #   tile being worked on. Best for 16-bit rows, whose tiles are small: one tile in
+    #   flight is too few bytes to cover the memory latency.
+    # * PREFETCH (with STAGES = 1): the next tile is loaded into registers before the
+    #   current one is worked on (software pipelining by hand), one tile in flight.
+    # With neither (very long rows, where two tiles would not fit in registers) each tile
+    # is loaded when its turn comes.
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    if FOLD:
+        gen = tl.load(COUNTER + 1, volatile=True)  # see _sum_partials_tail
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    # ROW_SUM folds each tile's rows into a [BLOCK_H] accumulator (fewer registers, so
+    # taller tiles fit); otherwise the accumulator keeps the tile's shape (no reduction
+    # across threads inside the loop).
+    if ROW_SUM:
+        dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    else:
+        dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_R)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (rows < n_rows)[:, None] & col_ok[None, :] & PREFETCH
+    rows64 = rows.to(tl.int64)
+    x_next = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    for tile in tl.range(pid, n_tiles, n_prog, num_stages=STAGES):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            # Prefetch the next tile (fully masked past the end: no memory traffic).
+            nrows = rows + n_prog * BLOCK_R
+            nmask = (nrows < n_rows)[:, None] & col_ok[None, :]
+            nrows64 = nrows.to(tl.int64)
+            x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask,
+                             other=0.0)
+            dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask,
+                              other=0.0)
+        else:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        if HAS_DX:
+            w_dy = dy * w[None, :]
+            c = tl.sum(w_dy * x_hat, axis=1) / n_cols
+            dx = (w_dy - x_hat * c[:, None]) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask,
+                              other=0.0).to(tl.float32)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
+                     dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DR:
+                tl.store(DR + rows64[:, None] * stride_dx + cols[None, :],
+                         dx.to(DR.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            if ROW_SUM:
+                dw_acc += tl.sum(dy * x_hat, axis=0)
+            else:
+                dw_acc += dy * x_hat
+    if HAS_DW:
+        if ROW_SUM:
+            tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
+        else:
+            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+        # FOLD: the last programs to finish sum the partials into DW here (else a second
+        # kernel does, _sum_partials_kernel).
+        if FOLD:
+            _sum_partials_tail(DW_PART, DW, COUNTER, gen, n_prog, n_cols, n_red, RED_P,
+                               RED_C, SPIN_NS)
+
+
+@triton.jit
+def _fwd_rows_reread_kernel(
+    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, STORE_RSTD: tl.constexpr,
+):
+    # As _fwd_rows_kernel, but x is read twice, CHUNK columns at a time: once for the sum
+    # of squares, marked to stay in L2 (evict_last), then again (from L2, evict_first) to
+    # normalise. A program holds one chunk in registers instead of its whole tile, so more
+    # programs fit on an SM and more loads are in flight; where that outweighs the second
+    # read (served by L2, not HBM) it is faster. torch.compile's forward works this way.
+    # EVEN (CHUNK divides H and BLOCK_R the rows) drops the masks (see _FWD_MASK_FREE).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_R, CHUNK], dtype=tl.float32)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_ptr, mask=row_ok[:, None] & (cols < n_cols)[None, :], other=0.0,
+                        eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / n_cols + eps)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
+        y_ptr = Y + rows64[:, None] * stride_y + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
+            tl.store(y_ptr, (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty))
+        else:
+            col_ok = cols < n_cols
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+            w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last")
+            y = x.to(tl.float32) * rstd[:, None] * w.to(tl.float32)[None, :]
+            tl.store(y_ptr, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # dweight = column sum of the [n_part, H] float32 partials, in a fixed order (the same
+    # shape always adds the same numbers in the same order: bitwise reproducible), cast
+    # once to the weight's dtype in the same launch.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_part, BLOCK_P):
+        r = start + tl.arange(0, BLOCK_P)
+        m = (r < n_part)[:, None] & col_ok[None, :]
+        acc += tl.load(PART + r.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=m, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
