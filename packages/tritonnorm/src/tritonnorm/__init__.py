@@ -16,6 +16,7 @@ from tritonnorm.ops.reference import (
     rms_norm_backward_x,
     rms_norm_reference,
 )
+from tritonnorm.patching import replace_rms_norms
 
 __version__ = "0.4.1"
 
@@ -28,4 +29,5 @@ __all__ = [
     "rms_norm_backward_weight",
     "rms_norm_backward_x",
     "rms_norm_reference",
+    "replace_rms_norms",
 ]
