@@ -26,6 +26,7 @@ from tritonnorm.ops.reference import (
     rms_norm_backward_x,
     rms_norm_reference,
 )
+from tritonnorm.patching import replace_rms_norms
 
 __version__ = "0.5.0"
 
@@ -41,4 +42,5 @@ __all__ = [
     "rms_norm_backward_weight",
     "rms_norm_backward_x",
     "rms_norm_reference",
+    "replace_rms_norms",
 ]
