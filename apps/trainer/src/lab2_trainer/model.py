@@ -66,6 +66,30 @@ def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
     raise ValueError(f"unknown norm kind {kind!r}")
 
 
+def add_and_norm(norm: nn.Module, x: torch.Tensor, branch: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + branch), x + branch)``: the residual add that ends one sub-layer and the
+    norm that starts the next.
+
+    With tritonnorm both run in one Triton kernel each way (``fused_add_rms_norm``), which
+    saves a read and a write of the residual stream per norm. The stream ``x`` keeps its
+    dtype (float32 under autocast) when the branch output is half precision. ``branch``
+    None (the first block) is a plain norm.
+    """
+    if branch is None:
+        return norm(x), x
+    if _is_tritonnorm(norm):
+        from tritonnorm import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, branch, norm.weight, norm.eps)
+    x = x + branch
+    return norm(x), x
+
+
+def _is_tritonnorm(norm: nn.Module) -> bool:
+    return type(norm).__module__.startswith("tritonnorm.")
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t only."""
 
@@ -112,9 +136,17 @@ class Block(nn.Module):
         self.norm2 = make_norm(config.norm, config.d_model, config.eps)
         self.ffn = FeedForward(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.ffn(self.norm2(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on the residual stream ``x``, to which the previous block's last
+        branch output ``pending`` is still to be added (None for the first block).
+
+        Returns ``(x, pending)`` for the next block: the feed-forward output is added by
+        the next norm, so every residual add fuses with a norm.
+        """
+        h, x = add_and_norm(self.norm1, x, pending)
+        h, x = add_and_norm(self.norm2, x, self.attn(h))
+        return x, self.ffn(h)
 
 
 class TransformerLM(nn.Module):
@@ -193,9 +225,10 @@ class TransformerLM(nn.Module):
             )
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
+        pending = None
         for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.norm_f(x))
+            x, pending = block(x, pending)
+        logits = self.lm_head(add_and_norm(self.norm_f, x, pending)[0])
         if targets is None:
             return logits
         # Cross-entropy in float32 even under autocast: the log-softmax over the
