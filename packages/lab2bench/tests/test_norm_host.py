@@ -34,7 +34,8 @@ def test_norm_host_quick(tmp_path, capsys):
         r = by_impl[name]
         assert r["config"]["device"] == "cpu" and r["config"]["calls"] == 4
         m = r["metrics"]
-        for key in ("fwd_us", "bwd_us", "fwdbwd_us", "fwd_nograd_us", "fwdbwd_ops"):
+        for key in ("fwd_us", "bwd_us", "fwdbwd_us", "fwd_nograd_us", "fwdbwd_ops",
+                    "fwdbwd_min_us"):
             assert _positive(m[key]), (name, key, m)
         assert all(len(v) == 2 for v in m["samples_us"].values())
         if name not in (norm_host.OP, norm_host.OP_EACH):

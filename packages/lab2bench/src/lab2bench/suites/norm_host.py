@@ -235,7 +235,8 @@ def measure_cell(impl_names: list[str], *, dtype: Any, hidden: int, rows: int, d
 
     Returns one dict per case: ``impl``, ``status`` (``ok``, ``skipped`` or ``failed``),
     ``note``, and for ``ok`` the medians over rounds ``fwd_us``, ``bwd_us``, ``fwdbwd_us``,
-    ``fwd_nograd_us`` and every round's figure under ``samples_us``.
+    ``fwd_nograd_us``, the minima ``*_min_us`` and every round's figure under
+    ``samples_us``.
     """
     import torch
 
@@ -298,6 +299,8 @@ def measure_cell(impl_names: list[str], *, dtype: Any, hidden: int, rows: int, d
         if case.status == "ok":
             for phase in PHASES:
                 row[f"{phase}_us"] = _median_us(case.samples[phase])
+            for phase in PHASES:  # the quietest round: noise only adds time
+                row[f"{phase}_min_us"] = min(case.samples[phase]) * 1e6
             row["samples_us"] = {p: [s * 1e6 for s in v] for p, v in case.samples.items()}
         out.append(row)
     return out
