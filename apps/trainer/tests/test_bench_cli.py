@@ -56,7 +56,7 @@ def test_norm_suite_rounds_and_profile(tmp_path, capsys):
     """Interleaved rounds, and ``--profile``: the norm ops' CPU µs per call in the model."""
     records = run_suite(tmp_path, capsys, "norm", "--preset", "tiny", "--rounds", "2",
                         "--modes", "forward_backward", "--profile", "--profile-mode",
-                        "forward_backward", "--profile-top", "5")
+                        "forward_backward", "--profile-top", "5", "--profile-trace")
     for r in records:
         assert r["config"]["rounds"] == 2 and len(r["metrics"]["round_means_ms"]) == 2
     out = tmp_path / "norm"

@@ -149,11 +149,16 @@ def profile_norm(args: argparse.Namespace, preset: str, norm: str, *, mode: str,
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
+    # One profiled but discarded step first: the profiler's own start-up (CUPTI on CUDA)
+    # lands there, not in the figures.
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for i in range(1 + steps):
             with record_function(STEP_LABEL):
                 step()
-        synchronize(device)
+            if i == steps:
+                synchronize(device)  # the last kernels belong to the profile
+            prof.step()
     averages = {evt.key: evt for evt in prof.key_averages()}
     if trace_path is not None:
         from lab2bench.records import temp_file_beside
@@ -208,14 +213,15 @@ def profile_norm(args: argparse.Namespace, preset: str, norm: str, *, mode: str,
 
 def run_profiles(args: argparse.Namespace, norms: list[str]) -> SuiteOutput:
     """Profile every (preset, norm); print the tables, and with ``--out`` write
-    ``norm-profile.jsonl``, ``norm-profile.md`` and a Chrome trace per profile."""
+    ``norm-profile.jsonl``, ``norm-profile.md`` and, with ``--profile-trace``, a Chrome
+    trace per profile."""
     out = SuiteOutput("norm-profile", args.out)
     steps = args.profile_steps or (2 if args.quick else 5)
     summaries, tops = [], []
     for preset in args.presets:
         for norm in norms:
             trace = (out.out_dir / f"norm-profile-{preset}-{norm}.trace.json"
-                     if out.out_dir is not None else None)
+                     if out.out_dir is not None and args.profile_trace else None)
             summary, top = profile_norm(args, preset, norm, mode=args.profile_mode,
                                         steps=steps, trace_path=trace)
             keys = ("preset", "norm", "mode", "precision", "steps")

@@ -41,13 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", action="store_true",
                    help="also profile a few steps of each norm's model (torch.profiler): the "
                         "norm ops' CPU µs per call (forward op and backward node) and the top "
-                        "ops by CPU time; with --out, norm-profile.jsonl/.md and Chrome traces")
+                        "ops by CPU time; with --out, norm-profile.jsonl and .md")
     g.add_argument("--profile-steps", type=int, default=None,
                    help="profiled steps per norm, after --warmup steps (default 5; 2 with --quick)")
     g.add_argument("--profile-mode", default="train_step", choices=list(MODES),
                    help="the step profiled (default train_step)")
     g.add_argument("--profile-top", type=int, default=15,
                    help="rows of each top-ops table (default 15)")
+    g.add_argument("--profile-trace", action="store_true",
+                   help="with --out, also write a Chrome trace per profile "
+                        "(norm-profile-PRESET-NORM.trace.json; tens of MB for medium)")
 
 
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:
