@@ -52,6 +52,37 @@ def test_single_device_suites(tmp_path, capsys, suite, key, extra):
         assert m["optim_state_MiB"] == pytest.approx(2 * m["param_MiB"], rel=0.01)
 
 
+def test_norm_suite_rounds_and_profile(tmp_path, capsys):
+    """Interleaved rounds, and ``--profile``: the norm ops' CPU µs per call in the model."""
+    records = run_suite(tmp_path, capsys, "norm", "--preset", "tiny", "--rounds", "2",
+                        "--modes", "forward_backward", "--profile", "--profile-mode",
+                        "forward_backward", "--profile-top", "5", "--profile-trace")
+    for r in records:
+        assert r["config"]["rounds"] == 2 and len(r["metrics"]["round_means_ms"]) == 2
+    out = tmp_path / "norm"
+    assert "norm ops per call inside the model" in (out / "norm-profile.md").read_text()
+    profiles = read_records(out / "norm-profile.jsonl", suite="norm-profile")
+    summary = {r["config"]["norm"]: r["metrics"] for r in profiles
+               if r["config"]["table"] == "norm_ops"}
+    assert set(summary) == {"tritonnorm", "reference", "torch", "layernorm"}
+    for m in summary.values():
+        assert m["norm_calls_per_step"] == 2 * 3 + 1  # tiny: 3 blocks of 2 norms, final norm
+        assert m["fwd_cpu_us"] > 0 and m["bwd_cpu_us"] > 0 and m["step_cpu_ms"] > 0
+        assert m["norm_share"] > 0
+    # Off CUDA tritonnorm takes its PyTorch path: one forward op and one backward node,
+    # found nowhere else in the model.
+    assert summary["tritonnorm"]["fwd_op"] == "RMSNormTorchFunction"
+    assert summary["tritonnorm"]["bwd_op"] == "RMSNormTorchFunctionBackward"
+    assert summary["tritonnorm"]["exact"] == "yes"
+    assert summary["layernorm"]["bwd_op"] == "NativeLayerNormBackward0"
+    top = [r for r in profiles if r["config"]["table"] == "top_ops"]
+    for norm in summary:
+        ranks = [r["config"]["rank"] for r in top if r["config"]["norm"] == norm]
+        assert ranks == [1, 2, 3, 4, 5]
+    assert all(r["metrics"]["self_cpu_us"] > 0 for r in top)
+    assert (out / "norm-profile-tiny-tritonnorm.trace.json").stat().st_size > 0
+
+
 def test_ddp_suite(tmp_path, capsys):
     records = run_suite(tmp_path, capsys, "ddp", "--bucket-mb", "0.01", "--steps", "1")
     by_variant = {r["config"]["variant"]: r["metrics"] for r in records}

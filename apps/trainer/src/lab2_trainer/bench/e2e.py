@@ -7,6 +7,7 @@ the figures are the mean and standard deviation over the timed steps.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES, stats_metrics, time_modes
@@ -17,6 +18,7 @@ from lab2_trainer.bench.workload import (
     free_memory,
     random_batch,
 )
+from lab2_trainer.config import ModelConfig
 
 NAME = "e2e"
 HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"
@@ -50,6 +52,20 @@ def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, n
         wrap: optional function applied to the built model (e.g. ``torch.compile``).
         extra: more configuration fields for the rows (e.g. the compile backend).
     """
+    config, params, stats = time_preset(args, preset, norm=norm, precision=precision,
+                                        modes=modes, wrap=wrap)
+    tokens = args.batch_size * args.context_length
+    for mode, st in stats.items():
+        out.add(row_config(args, preset, params, config.norm, precision, mode, extra),
+                stats_metrics(st, tokens))
+
+
+def time_preset(args: argparse.Namespace, preset: str, *, norm: str | None, precision: str,
+                modes: list[str], wrap=None) -> tuple[ModelConfig, int, dict[str, Any]]:
+    """Build the preset's model, time ``modes`` and free it.
+
+    Returns the model's configuration, its parameter count and ``{mode: Stats}``.
+    """
     config = build_config(preset, context_length=args.context_length,
                           vocab_size=args.vocab_size, norm=norm, overrides=args.overrides)
     model = build_model(config, args.device, seed=args.seed)
@@ -58,12 +74,15 @@ def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, n
     batch = random_batch(config, args.batch_size, args.device, seed=args.seed)
     stats = time_modes(timed, batch, modes=modes, precision=precision,
                        device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps)
-    tokens = args.batch_size * args.context_length
-    for mode, st in stats.items():
-        conf = {"preset": preset, "params_M": params / 1e6, "norm": config.norm,
-                "precision": precision, "mode": mode, "batch_size": args.batch_size,
-                "context_length": args.context_length, "device": args.device,
-                "warmup": args.warmup, "steps": args.steps, **(extra or {})}
-        out.add(conf, stats_metrics(st, tokens))
     del model, timed, batch
     free_memory(args.device)
+    return config, params, stats
+
+
+def row_config(args: argparse.Namespace, preset: str, params: int, norm: str, precision: str,
+               mode: str, extra: dict | None = None) -> dict[str, Any]:
+    """The configuration fields of one timed row."""
+    return {"preset": preset, "params_M": params / 1e6, "norm": norm,
+            "precision": precision, "mode": mode, "batch_size": args.batch_size,
+            "context_length": args.context_length, "device": args.device,
+            "warmup": args.warmup, "steps": args.steps, **(extra or {})}

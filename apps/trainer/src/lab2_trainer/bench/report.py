@@ -42,12 +42,15 @@ class SuiteOutput:
         return row
 
     def table(self, columns: list[str], *, title: str | None = None,
-              rows: list[dict[str, Any]] | None = None) -> str:
-        """Print a Markdown table of ``rows`` (default: every row) and keep it for the .md file."""
+              rows: list[dict[str, Any]] | None = None,
+              floatfmt: str | dict[str, str] = ".3g") -> str:
+        """Print a Markdown table of ``rows`` (default: every row) and keep it for the .md file.
+
+        ``floatfmt``: a format spec for floats, or one per column (others ``.3g``)."""
         from lab2bench import markdown_table
 
         rows = self.rows if rows is None else rows
-        text = markdown_table(rows, columns)
+        text = markdown_table(rows, columns, floatfmt)
         if title:
             text = f"### {title}\n\n{text}"
         print(text, flush=True)

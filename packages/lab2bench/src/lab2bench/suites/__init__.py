@@ -1,6 +1,6 @@
 """The suites of the ``lab2bench`` command, and how other packages add theirs.
 
-Built in: ``norm`` and ``comm``. Another installed package adds a suite by
+Built in: ``norm``, ``norm-host`` and ``comm``. Another installed package adds a suite by
 declaring an entry point in the group ``lab2bench.suites`` that names a ``Suite``
 (or a zero-argument callable returning one)::
 
@@ -50,9 +50,9 @@ def _entry_point_suites() -> dict[str, Suite]:
 
 def available_suites() -> dict[str, Suite]:
     """Every suite by name: built-in, then entry points, then registered in-process."""
-    from lab2bench.suites import comm, norm
+    from lab2bench.suites import comm, norm, norm_host
 
-    suites = {s.name: s for s in (norm.SUITE, comm.SUITE)}
+    suites = {s.name: s for s in (norm.SUITE, norm_host.SUITE, comm.SUITE)}
     for name, suite in {**_entry_point_suites(), **_registered}.items():
         suites.setdefault(name, suite)
     return suites

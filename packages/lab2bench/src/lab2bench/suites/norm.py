@@ -113,6 +113,8 @@ def _impls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         return list(dict.fromkeys(args.impl)), []
     names, notes = [], []
     for name, impl in IMPLS.items():
+        if not impl.in_norm_default:
+            continue
         if args.quick and impl.slow_setup:
             notes.append(f"{name}: left out of --quick (setting it up takes long); "
                          f"ask for it with --impl {name}")

@@ -1,8 +1,11 @@
-"""The RMSNorm implementations the ``norm`` suite puts side by side.
+"""The RMSNorm implementations the ``norm`` and ``norm-host`` suites put side by side.
 
-Each maker takes the weight (and bias, used by LayerNorm) and returns a callable
-``x -> y``, or raises ``Unavailable`` saying why it cannot run here. Optional
-libraries (tritonnorm, Liger-Kernel) are imported only when asked for.
+Each implementation's ``prepare`` takes the weight (and bias, used by LayerNorm), checks
+that it can run on their device, and returns a callable ``(x, weight, bias) -> y``, or
+raises ``Unavailable`` saying why it cannot run here; ``Impl.make(w, b)`` binds the two
+tensors and returns ``x -> y``. (``norm-host`` calls the unbound form with a fresh weight
+leaf per call, as in a model where every norm has its own weight.) Optional libraries
+(tritonnorm, Liger-Kernel) are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch.nn.functional as F
 
 EPS = 1e-5
 NormFn = Callable[[torch.Tensor], torch.Tensor]
+#: ``(x, weight, bias) -> y``; the bias is used by LayerNorm only.
+NormFn3 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Unavailable(RuntimeError):
@@ -41,15 +46,26 @@ class Impl:
 
     name: str
     description: str
-    make: Callable[[torch.Tensor, torch.Tensor], NormFn]
+    #: ``prepare(w, b)``: check that it runs on w's device (``Unavailable`` if not) and
+    #: return ``(x, w, b) -> y``.
+    prepare: Callable[[torch.Tensor, torch.Tensor], NormFn3]
     #: LayerNorm computes something else; its error is checked against LayerNorm.
     is_rms: bool = True
     #: Left out of ``--quick`` unless named with ``--impl`` (too slow to set up there).
     slow_setup: bool = False
+    #: Run by the ``norm`` suite when no ``--impl`` is given. (``tritonnorm.rms_norm``
+    #: launches the same kernels as ``tritonnorm``; only its host path differs, which
+    #: is ``norm-host``'s subject.)
+    in_norm_default: bool = True
+
+    def make(self, w: torch.Tensor, b: torch.Tensor) -> NormFn:
+        """The implementation with its weight and bias bound: ``x -> y``."""
+        fn = self.prepare(w, b)
+        return lambda x: fn(x, w, b)
 
 
-def _make_naive(w: torch.Tensor, b: torch.Tensor) -> NormFn:
-    return lambda x: rms_norm_naive(x, w)
+def _make_naive(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
+    return lambda x, w, b: rms_norm_naive(x, w)
 
 
 def _tritonnorm():
@@ -60,45 +76,53 @@ def _tritonnorm():
     return tritonnorm
 
 
-def _make_tritonnorm_torch(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_tritonnorm_torch(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     fn = getattr(_tritonnorm(), "RMSNormTorchFunction", None)
     if fn is None:
         raise Unavailable("this tritonnorm has no RMSNormTorchFunction")
-    return lambda x: fn.apply(x, w, EPS)
+    return lambda x, w, b: fn.apply(x, w, EPS)
 
 
-def _make_tritonnorm_triton(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_tritonnorm_triton(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     if w.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise Unavailable("Triton kernels need a CUDA device (or TRITON_INTERPRET=1)")
     fn = getattr(_tritonnorm(), "RMSNormFunction", None)
     if fn is None:
         raise Unavailable("this tritonnorm has no RMSNormFunction")
-    return lambda x: fn.apply(x, w, EPS)
+    return lambda x, w, b: fn.apply(x, w, EPS)
 
 
-def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_tritonnorm_api(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
+    # What tritonnorm.RMSNorm (and so the trainer's model) calls: the Triton kernels on
+    # CUDA, RMSNormTorchFunction elsewhere; without autograd recording, the forward kernel
+    # alone.
+    rms_norm = _tritonnorm().rms_norm
+    return lambda x, w, b: rms_norm(x, w, EPS)
+
+
+def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     if not hasattr(torch, "compile"):
         raise Unavailable("torch.compile is not available")
     # A fresh compilation per shape: one compiled function reused over many shapes
     # would hit dynamo's recompile limit and silently fall back to eager.
     torch._dynamo.reset()
     compiled = torch.compile(rms_norm_naive, dynamic=False)
-    return lambda x: compiled(x, w)
+    return lambda x, w, b: compiled(x, w)
 
 
-def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     if not hasattr(F, "rms_norm"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.rms_norm")
     shape = (w.shape[0],)
-    return lambda x: F.rms_norm(x, shape, w, EPS)
+    return lambda x, w, b: F.rms_norm(x, shape, w, EPS)
 
 
-def _make_layer_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_layer_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     shape = (w.shape[0],)
-    return lambda x: F.layer_norm(x, shape, w, b, EPS)
+    return lambda x, w, b: F.layer_norm(x, shape, w, b, EPS)
 
 
-def _make_liger(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+def _make_liger(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:
@@ -107,7 +131,7 @@ def _make_liger(w: torch.Tensor, b: torch.Tensor) -> NormFn:
         raise Unavailable("Liger-Kernel needs a CUDA device")
     # Positional: (X, W, eps, offset, casting_mode); the later in_place flag keeps its
     # default across versions. "llama" casting computes in float32.
-    return lambda x: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama")
+    return lambda x, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama")
 
 
 IMPLS: dict[str, Impl] = {
@@ -117,6 +141,9 @@ IMPLS: dict[str, Impl] = {
         Impl("tritonnorm-torch", "tritonnorm.RMSNormTorchFunction (hand-written backward)",
              _make_tritonnorm_torch),
         Impl("tritonnorm", "tritonnorm.RMSNormFunction (Triton kernels)", _make_tritonnorm_triton),
+        Impl("tritonnorm.rms_norm", "tritonnorm.rms_norm, the entry point tritonnorm.RMSNorm "
+             "calls (Triton kernels on CUDA, RMSNormTorchFunction elsewhere)",
+             _make_tritonnorm_api, in_norm_default=False),
         Impl("compile-naive", "torch.compile of torch-naive", _make_compiled, slow_setup=True),
         Impl("F.rms_norm", "torch.nn.functional.rms_norm", _make_f_rms_norm),
         Impl("F.layer_norm", "torch.nn.functional.layer_norm (LayerNorm, for scale)",
@@ -125,4 +152,4 @@ IMPLS: dict[str, Impl] = {
     )
 }
 #: Implementations from tritonnorm; the others are the alternatives they are compared to.
-OURS = ("tritonnorm", "tritonnorm-torch")
+OURS = ("tritonnorm", "tritonnorm-torch", "tritonnorm.rms_norm")
