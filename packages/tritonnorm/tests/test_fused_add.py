@@ -171,3 +171,38 @@ def test_module_form_and_state_dict():
     y, s = m(x, r)
     assert torch.equal(s, x + r)
     assert rel_err(y, plain(x + r)) < 1e-6
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_out_dtype_writes_y_in_that_dtype(kernel_device, out_dtype):
+    # y written in another dtype (what a following autocast layer would cast it to):
+    # the same numbers as the float32 y, rounded once; gradients arrive in that dtype.
+    from tritonnorm import RMSNormFunction
+
+    x, r, w, _, ds = _inputs((12, 96), torch.float32, torch.bfloat16, torch.float32, 6,
+                             kernel_device)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(out_dtype)
+    dy = dy.to(kernel_device)
+    xa, ra, wa = (t.clone().requires_grad_() for t in (x, r, w))
+    y, s = FusedAddRMSNormFunction.apply(xa, ra, wa, 1e-5, out_dtype)
+    assert y.dtype == out_dtype and s.dtype == x.dtype
+    torch.autograd.backward((y, s), (dy, ds))
+    y_ref, d_ref, dw_ref = _reference(s, w, dy, ds, 1e-5)
+    assert rel_err(y, y_ref) < TOL[out_dtype]
+    assert rel_err(xa.grad, d_ref) < TOL[torch.float32]
+    assert rel_err(wa.grad, dw_ref) < TOL[torch.float32]
+    xb = x.clone().requires_grad_()
+    y2 = RMSNormFunction.apply(xb, w, 1e-5, out_dtype)
+    y2.backward(dy)
+    y_ref, d_ref, _ = _reference(x, w, dy, torch.zeros_like(ds), 1e-5)
+    assert y2.dtype == out_dtype and rel_err(y2, y_ref) < TOL[out_dtype]
+    assert rel_err(xb.grad, d_ref) < TOL[torch.float32]
+
+
+def test_out_dtype_on_the_torch_path():
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.rand(8) + 0.5
+    y, s = fused_add_rms_norm(x, r, w, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(y, tritonnorm.rms_norm(x + r, w).to(torch.bfloat16))
+    assert tritonnorm.rms_norm(x, w, out_dtype=torch.float16).dtype == torch.float16

@@ -76,18 +76,33 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, branch: torch.Tensor | None
     dtype (float32 under autocast) when the branch output is half precision. ``branch``
     None (the first block) is a plain norm.
     """
-    if branch is None:
-        return norm(x), x
     if _is_tritonnorm(norm):
+        # Under autocast the next layer casts the norm's output to the autocast dtype
+        # anyway: tritonnorm writes it in that dtype directly (no cast kernel, no extra
+        # pass over y forward or backward).
+        out_dtype = _autocast_dtype(x)
+        if branch is None:
+            from tritonnorm import rms_norm
+
+            return rms_norm(x, norm.weight, norm.eps, out_dtype=out_dtype), x
         from tritonnorm import fused_add_rms_norm
 
-        return fused_add_rms_norm(x, branch, norm.weight, norm.eps)
-    x = x + branch
+        return fused_add_rms_norm(x, branch, norm.weight, norm.eps, out_dtype=out_dtype)
+    if branch is not None:
+        x = x + branch
     return norm(x), x
 
 
 def _is_tritonnorm(norm: nn.Module) -> bool:
     return type(norm).__module__.startswith("tritonnorm.")
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes matrix products in on x's device, None when it is off."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 class CausalSelfAttention(nn.Module):

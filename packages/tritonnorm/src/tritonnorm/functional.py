@@ -46,11 +46,15 @@ def triton_unavailable_error() -> ImportError:
                        f"({TRITON_IMPORT_ERROR}); {hint}")
 
 
-def _is_compiling() -> bool:
+def _pick_is_compiling():
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
-    return torch._dynamo.is_compiling()  # pragma: no cover - PyTorch < 2.3
+        return compiler.is_compiling
+    return torch._dynamo.is_compiling  # pragma: no cover - PyTorch < 2.3
+
+
+# Looked up once: the check runs on every call.
+_is_compiling = _pick_is_compiling()
 
 
 def _use_kernels(x, weight) -> bool:
@@ -58,12 +62,17 @@ def _use_kernels(x, weight) -> bool:
             and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES)
 
 
+def _kernel_out(out_dtype) -> bool:
+    return out_dtype is None or out_dtype in KERNEL_DTYPES
+
+
 def _via_op() -> bool:
     """Under torch.compile (or when asked), go through the registered operators."""
     return _compiler_ops.AVAILABLE and (_is_compiling() or OPTIONS.eager_op)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
     CUDA tensors in float32/float16/bfloat16 run the Triton kernels; anything else runs
@@ -76,27 +85,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         x: input of shape (*, H).
         weight: gain of shape (H,); may be float32 while x is half precision.
         eps: added to the mean square before the square root.
+        out_dtype: y's dtype, x's by default. Under autocast, the autocast dtype saves the
+            cast the next layer would make (one kernel and a pass over y each way).
 
     Returns:
-        y with x's shape and dtype.
+        y with x's shape and ``out_dtype``.
 
     Raises:
         ValueError: weight is not of shape (H,), or x and weight are on different devices.
         TypeError: a non-floating dtype.
     """
-    if not _use_kernels(x, weight):
-        return RMSNormTorchFunction.apply(x, weight, eps)
+    if not _use_kernels(x, weight) or not _kernel_out(out_dtype):
+        y = RMSNormTorchFunction.apply(x, weight, eps)
+        return y if out_dtype is None else y.to(out_dtype)
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
-        return _compiler_ops.rms_norm_fwd(x, weight, check_eps(eps))[0]
+        return _compiler_ops.rms_norm_fwd(x, weight, check_eps(eps), out_dtype)[0]
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # Inference: nothing to record for autograd, and no rstd for a backward.
-        return _kernels.rms_norm_fwd(x, weight, kernel_eps(x, weight, eps), need_rstd=False)[0]
-    return RMSNormFunction.apply(x, weight, eps)
+        return _kernels.rms_norm_fwd(x, weight, kernel_eps(x, weight, eps), need_rstd=False,
+                                     out_dtype=out_dtype)[0]
+    return RMSNormFunction.apply(x, weight, eps, out_dtype)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual, weight, eps), x + residual)`` in one pass each way.
 
@@ -116,29 +130,33 @@ def fused_add_rms_norm(
             take.
         weight: gain of shape (H,).
         eps: added to the mean square before the square root.
+        out_dtype: y's dtype, x's by default (see ``rms_norm``).
 
     Returns:
-        (y, x + residual), both with x's shape and dtype.
+        (y, x + residual) with x's shape; the sum in x's dtype, y in ``out_dtype``.
 
     Raises:
         ValueError: residual's shape or device differs from x's, or weight is not (H,).
         TypeError: a non-floating dtype.
     """
     if not (_use_kernels(x, weight) and isinstance(residual, torch.Tensor)
-            and residual.dtype in KERNEL_DTYPES):
+            and residual.dtype in KERNEL_DTYPES and _kernel_out(out_dtype)):
         check_rms_norm_args(x, weight)
         check_residual(x, residual)
         s = (x + residual).to(x.dtype)
-        return RMSNormTorchFunction.apply(s, weight, eps), s
+        y = RMSNormTorchFunction.apply(s, weight, eps)
+        return (y if out_dtype is None else y.to(out_dtype)), s
     if residual.shape != x.shape or residual.device != x.device:
         check_residual(x, residual, kernel=True)
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
-        y, s, _ = _compiler_ops.fused_add_rms_norm_fwd(x, residual, weight, check_eps(eps))
+        y, s, _ = _compiler_ops.fused_add_rms_norm_fwd(x, residual, weight, check_eps(eps),
+                                                       out_dtype)
         return y, s
     if not (torch.is_grad_enabled()
             and (x.requires_grad or residual.requires_grad or weight.requires_grad)):
         y, s, _ = _kernels.fused_add_rms_norm_fwd(x, residual, weight,
-                                                  kernel_eps(x, weight, eps), need_rstd=False)
+                                                  kernel_eps(x, weight, eps), need_rstd=False,
+                                                  out_dtype=out_dtype)
         return y, s
-    return FusedAddRMSNormFunction.apply(x, residual, weight, eps)
+    return FusedAddRMSNormFunction.apply(x, residual, weight, eps, out_dtype)

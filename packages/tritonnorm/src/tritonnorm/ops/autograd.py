@@ -19,15 +19,16 @@ class RMSNormFunction(torch.autograd.Function):
     ``RMSNormFunction.apply(x, weight, eps=1e-5)`` runs on any tensor Triton takes: CUDA,
     or CPU when ``TRITON_INTERPRET=1`` was set before Triton was imported. The forward
     saves x, weight and one float32 rstd per row; the backward recomputes x_hat from them.
-    y and dx have x's dtype, dweight has the weight's dtype.
+    y has ``out_dtype`` (default x's), dx x's dtype, dweight the weight's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         eps = kernel_eps(x, weight, eps)
         # No input needs a gradient: no backward will run, so skip rstd.
         need_rstd = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        y, rstd = kernels.rms_norm_fwd(x, weight, eps, need_rstd=need_rstd)
+        y, rstd = kernels.rms_norm_fwd(x, weight, eps, need_rstd=need_rstd, out_dtype=out_dtype)
         if need_rstd:
             ctx.save_for_backward(x, weight, rstd)
         return y
@@ -39,7 +40,7 @@ class RMSNormFunction(torch.autograd.Function):
         dx, dw = kernels.rms_norm_bwd(
             grad_output, x, weight, rstd, needs_dx=need_x, needs_dw=need_w
         )
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
@@ -54,9 +55,10 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float = 1e-5):
+                eps: float = 1e-5, out_dtype: torch.dtype | None = None):
         eps = kernel_eps(x, weight, eps)
-        y, s, rstd = kernels.fused_add_rms_norm_fwd(x, residual, weight, eps)
+        y, s, rstd = kernels.fused_add_rms_norm_fwd(x, residual, weight, eps,
+                                                    out_dtype=out_dtype)
         ctx.residual_dtype = residual.dtype
         ctx.save_for_backward(s, weight, rstd)
         return y, s
@@ -67,4 +69,4 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         dx, dr, dw = kernels.fused_add_rms_norm_bwd(
             grad_y, grad_sum, s, weight, rstd, ctx.residual_dtype,
             needs_dw=ctx.needs_input_grad[2])
-        return dx, dr, dw, None
+        return dx, dr, dw, None, None

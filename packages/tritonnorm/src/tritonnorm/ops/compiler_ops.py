@@ -14,6 +14,8 @@ No ``from __future__ import annotations``: PyTorch infers each schema from the r
 stringified) annotations.
 """
 
+from typing import Optional
+
 import torch
 
 from tritonnorm.ops import kernels
@@ -35,10 +37,12 @@ if AVAILABLE:
     _op = torch.library.triton_op if HAS_TRITON_OP else torch.library.custom_op
 
     @_op("tritonnorm::rms_norm_fwd", mutates_args=())
-    def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_dtype: Optional[torch.dtype] = None,  # noqa: UP045 (schema inference)
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(y, rstd); arguments checked by the caller."""
-        return kernels.rms_norm_fwd(x, weight, eps, traceable=HAS_TRITON_OP)
+        return kernels.rms_norm_fwd(x, weight, eps, traceable=HAS_TRITON_OP,
+                                    out_dtype=out_dtype)
 
     @_op("tritonnorm::rms_norm_bwd", mutates_args=())
     def rms_norm_bwd(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -53,10 +57,11 @@ if AVAILABLE:
     @_op("tritonnorm::fused_add_rms_norm_fwd", mutates_args=())
     def fused_add_rms_norm_fwd(
         x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out_dtype: Optional[torch.dtype] = None,  # noqa: UP045 (schema inference)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(y, x + residual, rstd); arguments checked by the caller."""
         return kernels.fused_add_rms_norm_fwd(x, residual, weight, eps,
-                                              traceable=HAS_TRITON_OP)
+                                              traceable=HAS_TRITON_OP, out_dtype=out_dtype)
 
     @_op("tritonnorm::fused_add_rms_norm_bwd", mutates_args=())
     def fused_add_rms_norm_bwd(
@@ -74,8 +79,8 @@ if AVAILABLE:
     if not HAS_TRITON_OP:  # a custom op needs its shapes spelled out for tracing
 
         @rms_norm_fwd.register_fake
-        def _(x, weight, eps):
-            y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        def _(x, weight, eps, out_dtype=None):
+            y = torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype)
             return y, x.new_empty((_rows(x),), dtype=torch.float32)
 
         @rms_norm_bwd.register_fake
@@ -85,8 +90,8 @@ if AVAILABLE:
             return dx, torch.empty_like(weight) if needs_dw else weight.new_empty((0,))
 
         @fused_add_rms_norm_fwd.register_fake
-        def _(x, residual, weight, eps):
-            y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        def _(x, residual, weight, eps, out_dtype=None):
+            y = torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype)
             s = torch.empty_like(x, memory_format=torch.contiguous_format)
             return y, s, x.new_empty((_rows(x),), dtype=torch.float32)
 
@@ -98,20 +103,20 @@ if AVAILABLE:
             return dx, dr, torch.empty_like(weight) if needs_dw else weight.new_empty((0,))
 
     def _rms_setup(ctx, inputs, output):
-        x, weight, _eps = inputs
+        x, weight = inputs[:2]
         ctx.save_for_backward(x, weight, output[1])
 
     def _rms_backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = rms_norm_bwd(grad_y, x, weight, rstd, need_x, need_w)
-        return _empty_to_none(dx, need_x), _empty_to_none(dw, need_w), None
+        return _empty_to_none(dx, need_x), _empty_to_none(dw, need_w), None, None
 
     torch.library.register_autograd("tritonnorm::rms_norm_fwd", _rms_backward,
                                     setup_context=_rms_setup)
 
     def _add_setup(ctx, inputs, output):
-        _x, residual, weight, _eps = inputs
+        residual, weight = inputs[1:3]
         ctx.residual_dtype = residual.dtype
         ctx.save_for_backward(output[1], weight, output[2])
 
@@ -125,7 +130,7 @@ if AVAILABLE:
         dx, dr, dw = fused_add_rms_norm_bwd(grad_y, grad_sum, s, weight, rstd,
                                             ctx.residual_dtype, need_w)
         dr = dx if ctx.residual_dtype == s.dtype else dr
-        return dx, dr, _empty_to_none(dw, need_w), None
+        return dx, dr, _empty_to_none(dw, need_w), None, None
 
     torch.library.register_autograd("tritonnorm::fused_add_rms_norm_fwd", _add_backward,
                                     setup_context=_add_setup)

@@ -23,8 +23,8 @@ import warnings
 import torch
 
 from tritonnorm.ops import launch_config as lc
+from tritonnorm.ops.launcher import LaunchCache, launch_traceable, sm_count
 from tritonnorm.ops.launcher import launch as _launch
-from tritonnorm.ops.launcher import launch_traceable, sm_count
 from tritonnorm.ops.long_row_kernels import (
     _bwd_coop_kernel,
     _bwd_dx_looped_kernel,
@@ -43,6 +43,10 @@ from tritonnorm.ops.workspaces import fold_counter, partials_buffer
 
 # Launch shapes whose cooperative launch the driver refused (see _backward).
 _FOLD_REFUSED: set = set()
+# Eager launches of the rows kernels on shapes seen before (see LaunchCache): the common
+# call in a training step, where host time is the whole cost of a small norm.
+_FWD_PLANS = LaunchCache()
+_BWD_PLANS = LaunchCache()
 
 
 def _launcher(traceable: bool):
@@ -111,7 +115,7 @@ def _sum_partials(part: torch.Tensor, weight: torch.Tensor, traceable: bool) -> 
 
 def rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: dict | None = None,
-    need_rstd: bool = True, traceable: bool = False,
+    need_rstd: bool = True, traceable: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel.
 
@@ -124,36 +128,73 @@ def rms_norm_fwd(
         need_rstd: False when no backward will follow (inference): the fused kernels
             then skip writing rstd, and None comes back in its place.
         traceable: launch through ``wrap_triton`` (a ``triton_op`` body).
+        out_dtype: y's dtype (default x's): the cast a following autocast layer would
+            make, done by the store instead of by a kernel of its own.
 
     Returns:
-        (y with x's shape and dtype, rstd of shape (rows,) in float32 or None).
+        (y with x's shape and ``out_dtype``, rstd of shape (rows,) in float32 or None).
     """
-    y, _, rstd = _forward(x, None, weight, eps, config, need_rstd, traceable)
+    y, _, rstd = _forward(x, None, weight, eps, config, need_rstd, traceable, out_dtype)
     return y, rstd
 
 
 def fused_add_rms_norm_fwd(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
     need_rstd: bool = True, traceable: bool = False, config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """s = x + residual (in x's dtype), y = RMSNorm(s) * weight, in one pass over x and
-    residual. Returns (y, s, rstd or None); y and s have x's shape and dtype."""
+    residual. Returns (y, s, rstd or None) of x's shape; s has x's dtype and y
+    ``out_dtype`` (default x's)."""
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)} but x has "
                          f"{tuple(x.shape)}: fused_add_rms_norm needs them equal")
     if residual.device != x.device:
         raise ValueError(f"x is on {x.device} but residual is on {residual.device}")
-    return _forward(x, residual, weight, eps, config, need_rstd, traceable)
+    return _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype)
 
 
-def _forward(x, residual, weight, eps, config, need_rstd, traceable):
+def _fwd_key(x, x2, r2, residual, weight, need_rstd, eps, out_dtype) -> tuple:
+    """What fixes an eager rows forward's grid and scalar arguments (see LaunchCache)."""
+    return (x2.shape, x2.stride(0), r2.shape, r2.stride(0), x.dtype, r2.dtype, weight.dtype,
+            x.get_device(), r2.get_device(), weight.get_device(), weight.is_contiguous(),
+            residual is None, need_rstd, eps, out_dtype)
+
+
+def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype):
+    """The eager rows forward of a shape launched before; None where it does not apply."""
+    x2 = _as_rows(x)
+    r2 = x2 if residual is None else _as_rows(residual)
+    plan = _FWD_PLANS.get(_fwd_key(x, x2, r2, residual, weight, need_rstd, eps, out_dtype))
+    if plan is None:
+        return None
+    y2 = x2.new_empty(x2.shape, dtype=out_dtype)
+    s2 = y2 if residual is None else x2.new_empty(x2.shape)
+    rstd = x2.new_empty((x2.shape[0],), dtype=torch.float32) if need_rstd else None
+    py = y2.data_ptr()
+    prstd = py if rstd is None else rstd.data_ptr()  # y stands in for an unwritten rstd
+    if plan[3] == 6:  # _fwd_rows_kernel
+        ptrs = (x2.data_ptr(), r2.data_ptr(), weight.data_ptr(), py, s2.data_ptr(), prstd)
+    else:  # the re-reading forward
+        ptrs = (x2.data_ptr(), weight.data_ptr(), py, prstd)
+    if not LaunchCache.launch(plan, x2.get_device(), ptrs):
+        return None
+    s = None if residual is None else _like(s2, x.shape, x.dim())
+    return _like(y2, x.shape, x.dim()), s, rstd
+
+
+def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=None):
+    if not traceable and config is None:
+        fast = _forward_fast(x, residual, weight, eps, need_rstd, out_dtype)
+        if fast is not None:
+            return fast
     if weight.device != x.device:  # the direct launch passes bare addresses
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     n_cols = x.shape[-1]
     x2 = _as_rows(x)
     n_rows = x2.shape[0]
     # new_empty: same dtype and device without parsing them again (host time matters here).
-    y2 = x2.new_empty((n_rows, n_cols))
+    y2 = x2.new_empty((n_rows, n_cols), dtype=out_dtype)
     s2 = None if residual is None else x2.new_empty((n_rows, n_cols))
     if n_rows == 0:
         rstd = x2.new_empty((0,), dtype=torch.float32) if need_rstd else None
@@ -164,7 +205,7 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable):
     if residual is not None and looped:
         # Rows too long for one block: the add runs apart, then the long-row forward.
         s2 = (x2.float() + _as_rows(residual).float()).to(x.dtype)
-        y, _, rstd = _forward(s2, None, w, eps, config, need_rstd, traceable)
+        y, _, rstd = _forward(s2, None, w, eps, config, need_rstd, traceable, out_dtype)
         return _like(y, x.shape, x.dim()), _like(s2, x.shape, x.dim()), rstd
     # Only the fused kernels can skip rstd (y2 then stands in for its unused pointer).
     store_rstd = need_rstd or looped
@@ -181,15 +222,21 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable):
         if chunk and residual is None:
             even = config.get("even", cfg.even) if config else cfg.even
             even = even and n_cols % chunk == 0 and n_rows % block_r == 0
-            launch(_fwd_rows_reread_kernel, (lc.cdiv(n_rows, block_r), 1, 1),
-                   (x2, w, y2, out_rstd, n_rows, n_cols, x2.stride(0), n_cols, eps),
-                   (block_r, chunk, even, store_rstd), num_warps)
+            kernel, n_ptrs = _fwd_rows_reread_kernel, 4
+            args = (x2, w, y2, out_rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
+            consts = (block_r, chunk, even, store_rstd)
         else:
             r2 = x2 if residual is None else _as_rows(residual)
-            launch(_fwd_rows_kernel, (lc.cdiv(n_rows, block_r), 1, 1),
-                   (x2, r2, w, y2, y2 if s2 is None else s2, out_rstd, n_rows, n_cols,
-                    x2.stride(0), r2.stride(0), n_cols, eps),
-                   (block_r, block_h, store_rstd, residual is not None), num_warps)
+            kernel, n_ptrs = _fwd_rows_kernel, 6
+            args = (x2, r2, w, y2, y2 if s2 is None else s2, out_rstd, n_rows, n_cols,
+                    x2.stride(0), r2.stride(0), n_cols, eps)
+            consts = (block_r, block_h, store_rstd, residual is not None)
+        grid = (lc.cdiv(n_rows, block_r), 1, 1)
+        compiled = launch(kernel, grid, args, consts, num_warps)
+        if not traceable and config is None:
+            r2 = x2 if residual is None else _as_rows(residual)
+            key = _fwd_key(x, x2, r2, residual, weight, need_rstd, eps, out_dtype)
+            _FWD_PLANS.record(key, compiled, grid, args, n_ptrs, consts)
     s = None if s2 is None else _like(s2, x.shape, x.dim())
     return _like(y2, x.shape, x.dim()), s, (rstd if need_rstd else None)
 
@@ -269,8 +316,46 @@ def fused_add_rms_norm_bwd(
                      residual_dtype, traceable)
 
 
+def _bwd_key(x, x2, dy2, ds2, rstd, weight, needs_dx, needs_dw, dr_dtype) -> tuple:
+    """What fixes an eager fused backward's grid and scalar arguments (see LaunchCache)."""
+    return (x2.shape, x2.stride(0), dy2.shape, dy2.stride(0), ds2.shape, ds2.stride(0),
+            x.dtype, dy2.dtype, weight.dtype, dr_dtype, x.get_device(), dy2.get_device(),
+            ds2.get_device(), rstd.get_device(), weight.get_device(), weight.is_contiguous(),
+            needs_dx, needs_dw, OPTIONS.fold_dw_sum)
+
+
+def _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype):
+    """The eager, folded rows backward of a shape launched before; None where it does not
+    apply. Returns (dx, dr, dweight) as ``_backward`` does."""
+    x2 = _as_rows(x)
+    dy2 = _as_rows(grad_output)
+    ds2 = x2 if ds is None else _as_rows(ds)
+    plan = _BWD_PLANS.get(_bwd_key(x, x2, dy2, ds2, rstd, weight, needs_dx, needs_dw,
+                                   dr_dtype))
+    if plan is None:
+        return None
+    dx2 = x2.new_empty(x2.shape) if needs_dx else x2
+    two_outs = dr_dtype is not None and dr_dtype != x.dtype
+    dr2 = x2.new_empty(x2.shape, dtype=dr_dtype) if two_outs else dx2
+    dw = weight.new_empty(weight.shape)
+    dw_part = partials_buffer(x2, plan[1][0], x2.shape[1])
+    ptrs = (x2.data_ptr(), weight.data_ptr(), dy2.data_ptr(), rstd.data_ptr(),
+            dx2.data_ptr(), dw_part.data_ptr(), ds2.data_ptr(), dr2.data_ptr(), dw.data_ptr(),
+            fold_counter(x2).data_ptr())
+    if not LaunchCache.launch(plan, x2.get_device(), ptrs):
+        return None
+    if not needs_dx:
+        return None, None, dw
+    dx = _like(dx2, x.shape, x.dim())
+    return dx, (_like(dr2, x.shape, x.dim()) if two_outs else dx) if dr_dtype else None, dw
+
+
 def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_dtype,
               traceable):
+    if not traceable and config is None and needs_dw:
+        fast = _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype)
+        if fast is not None:
+            return fast
     # The direct launch passes bare addresses: a tensor elsewhere must fail here.
     if grad_output.shape != x.shape or not (grad_output.device == x.device == weight.device
                                             == rstd.device):
@@ -301,8 +386,12 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
         return dx, dr, dw
     ds2 = x2 if ds is None else _as_rows(ds)
     dr2 = x2.new_empty((n_rows, n_cols), dtype=dr_dtype) if two_outs else dx2
+    plan_key = None
+    if not traceable and config is None:
+        plan_key = _bwd_key(x, x2, dy2, ds2, rstd, weight, needs_dx, needs_dw, dr_dtype)
     dw = _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols,
-                        needs_dx, needs_dw, ds is not None, two_outs, config, traceable)
+                        needs_dx, needs_dw, ds is not None, two_outs, config, traceable,
+                        plan_key)
     if not needs_dx:
         return None, None, dw
     dx = _like(dx2, x.shape, x.dim())
@@ -311,8 +400,9 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
 
 
 def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, needs_dx,
-                   needs_dw, has_ds, has_dr, config, traceable):
-    """The fused persistent backward; returns dweight (None when not needed)."""
+                   needs_dw, has_ds, has_dr, config, traceable, plan_key=None):
+    """The fused persistent backward; returns dweight (None when not needed). A folded
+    launch is recorded under ``plan_key`` for ``_backward_fast``."""
     block_h, cfg = lc.bwd_config(n_cols, x.element_size())
     block_r, num_warps, per_sm = cfg.block_r, cfg.num_warps, cfg.programs_per_sm
     row_sum, stages = cfg.row_sum, cfg.stages
@@ -341,7 +431,8 @@ def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, n
             dy2.stride(0), dx2.stride(0), ds2.stride(0))
     consts = (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages, has_ds, has_dr)
     try:
-        return _launch_fused_bwd(args, consts, weight, num_warps, fold, config, traceable)
+        return _launch_fused_bwd(args, consts, weight, num_warps, fold, config, traceable,
+                                 plan_key)
     except RuntimeError as err:
         if not fold:
             raise
@@ -362,7 +453,7 @@ def _max_summers(x: torch.Tensor) -> int:
 
 
 def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warps: int,
-                      fold: bool, config: dict | None, traceable: bool):
+                      fold: bool, config: dict | None, traceable: bool, plan_key=None):
     """Launch _bwd_rows_kernel; return dweight (None when it is not needed).
 
     ``args`` are the kernel's runtime arguments without DW, COUNTER and n_red, and
@@ -381,10 +472,14 @@ def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warp
     else:  # dw_part stands in for the unused pointers
         dw, counter, (red_p, red_c, n_red) = dw_part, dw_part, (16, 16, 1)
     spin_ns = (config or {}).get("spin_ns", OPTIONS.spin_ns) if x2.is_cuda else 0
-    _launcher(traceable)(_bwd_rows_kernel, (dw_part.shape[0], 1, 1),
-                         (*args[:8], dw, counter, *args[8:], n_red),
-                         (*consts, fold, red_p, red_c, spin_ns), num_warps, cooperative=fold)
+    grid = (dw_part.shape[0], 1, 1)
+    full_args = (*args[:8], dw, counter, *args[8:], n_red)
+    full_consts = (*consts, fold, red_p, red_c, spin_ns)
+    compiled = _launcher(traceable)(_bwd_rows_kernel, grid, full_args, full_consts, num_warps,
+                                    cooperative=fold)
     if fold:
+        if plan_key is not None:
+            _BWD_PLANS.record(plan_key, compiled, grid, full_args, 10, full_consts)
         return dw
     return _sum_partials(dw_part, weight, traceable) if needs_dw else None
 

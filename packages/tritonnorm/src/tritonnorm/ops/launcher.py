@@ -93,7 +93,7 @@ def sm_count(device_index: int) -> int:
 
 
 def launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_warps: int,
-           cooperative: bool = False) -> None:
+           cooperative: bool = False):
     """Launch ``kernel`` over ``grid`` with runtime ``args`` then constexpr ``consts``.
 
     Every kernel of this package takes its runtime arguments first and its constexprs
@@ -119,7 +119,7 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_w
                              compiled.packed_metadata, None, None, None, *direct, *consts)
             else:
                 compiled[grid](*args, *consts, stream=stream)
-            return
+            return compiled
         except (TypeError, SystemError, AttributeError):  # pragma: no cover - another Triton
             OPTIONS.direct_launch = False
             _COMPILED.clear()
@@ -135,6 +135,52 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple, num_w
     if len(_COMPILED) >= _MAX_COMPILED:
         _COMPILED.clear()
     _COMPILED[key] = compiled
+    return None
+
+
+class LaunchCache:
+    """Launches whose every argument but the tensors' addresses follows from a key.
+
+    The launchers key a call by what fixes the grid and the scalar arguments (shapes,
+    strides, dtypes, flags); once a launch through ``launch`` has been recorded, a call
+    with the same key costs the addresses, one alignment test and Triton's bare launcher:
+    no argument walk, no specialisation key. Only launches whose tensors were all 16-byte
+    aligned are recorded; a call whose tensors are not takes the full path.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict = {}
+
+    def get(self, key):
+        """The recorded plan ``(compiled, grid, tail, n_ptrs)`` for ``key``, or None where there is
+        none or it cannot be used now (direct launches off, a launch hook registered)."""
+        if not OPTIONS.direct_launch or not _hooks_idle():
+            return None
+        return self._plans.get(key)
+
+    @staticmethod
+    def launch(plan, device: int, ptrs: tuple) -> bool:
+        """Launch ``plan`` with these addresses (the kernel's first arguments, in order);
+        False, launching nothing, when one of them is not 16-byte aligned."""
+        align = 0
+        for p in ptrs:
+            align |= p
+        if align & 15:
+            return False
+        compiled, grid, tail, _ = plan
+        compiled.run(grid[0], grid[1], grid[2], current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *ptrs, *tail)
+        return True
+
+    def record(self, key, compiled, grid: tuple, args: tuple, n_ptrs: int,
+               consts: tuple) -> None:
+        """Remember a launch that just ran: ``compiled`` as ``launch`` returned it, and
+        its arguments, of which the first ``n_ptrs`` are the tensors."""
+        if compiled is None or any(a.data_ptr() & 15 for a in args[:n_ptrs]):
+            return
+        if len(self._plans) >= _MAX_COMPILED:
+            self._plans.clear()
+        self._plans[key] = (compiled, grid, (*args[n_ptrs:], *consts), n_ptrs)
 
 
 def launch_traceable(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple,
