@@ -190,7 +190,9 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
             return fast
     if weight.device != x.device:  # the direct launch passes bare addresses
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-    n_cols = x.shape[-1]
+    # The row length picks the kernel and its block: under torch.compile with dynamic
+    # shapes it is specialised (int()), as Inductor would have to anyway.
+    n_cols = int(x.shape[-1])
     x2 = _as_rows(x)
     n_rows = x2.shape[0]
     # new_empty: same dtype and device without parsing them again (host time matters here).
@@ -363,7 +365,7 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
             f"grad_output {tuple(grad_output.shape)} on {grad_output.device} must match x "
             f"{tuple(x.shape)} on {x.device}, with weight and rstd on the same device "
             f"(weight on {weight.device}, rstd on {rstd.device})")
-    n_cols = x.shape[-1]
+    n_cols = int(x.shape[-1])  # specialised under dynamic shapes, as in _forward
     x2 = _as_rows(x)
     dy2 = _as_rows(grad_output)
     n_rows = x2.shape[0]
@@ -422,11 +424,12 @@ def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, n
         prefetch = config.get("prefetch", prefetch)
         fold = config.get("fold", fold)
     # The folded sum makes programs wait for others: on the GPU only in a cooperative
-    # launch, where the driver guarantees that every program is resident at once.
-    refusal_key = (x.get_device(), num_warps, block_r, block_h, stages, n_prog)
+    # launch, where the driver guarantees that every program is resident at once (never
+    # in a traced launch, where n_prog may be symbolic).
     fold = (fold and needs_dw and not traceable
-            and (OPTIONS.cooperative_launch or not x.is_cuda)
-            and refusal_key not in _FOLD_REFUSED)
+            and (OPTIONS.cooperative_launch or not x.is_cuda))
+    refusal_key = (x.get_device(), num_warps, block_r, block_h, stages, n_prog) if fold else None
+    fold = fold and refusal_key not in _FOLD_REFUSED
     args = (x2, w, dy2, rstd, dx2, dw_part, ds2, dr2, n_rows, n_cols, x2.stride(0),
             dy2.stride(0), dx2.stride(0), ds2.stride(0))
     consts = (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages, has_ds, has_dr)

@@ -31,7 +31,7 @@ def _triton_version() -> tuple[int, int]:
 
 def _has_cooperative_launch() -> bool:
     """Whether this Triton can make a CUDA cooperative launch (``launch_cooperative_grid``)."""
-    if _INTERPRET:
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
