@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where used, so that `lab2bench --help` skips it
+    import torch
 
 EPS = 1e-5
-NormFn = Callable[[torch.Tensor], torch.Tensor]
+NormFn = Callable[["torch.Tensor"], "torch.Tensor"]
 
 
 class Unavailable(RuntimeError):
@@ -24,6 +25,8 @@ class Unavailable(RuntimeError):
 
 def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """The formula in eager PyTorch, computed in float32, returned in x's dtype."""
+    import torch
+
     x32 = x.float()
     inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32 * inv_rms * weight.float()).to(x.dtype)
@@ -31,6 +34,8 @@ def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> t
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """float64 reference for the correctness check."""
+    import torch
+
     x64, w64 = x.double(), weight.double()
     return x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps) * w64
 
@@ -77,6 +82,8 @@ def _make_tritonnorm_triton(w: torch.Tensor, b: torch.Tensor) -> NormFn:
 
 
 def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    import torch
+
     if not hasattr(torch, "compile"):
         raise Unavailable("torch.compile is not available")
     # A fresh compilation per shape: one compiled function reused over many shapes
@@ -87,6 +94,9 @@ def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn:
 
 
 def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    import torch
+    import torch.nn.functional as F
+
     if not hasattr(F, "rms_norm"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.rms_norm")
     shape = (w.shape[0],)
@@ -94,6 +104,8 @@ def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
 
 
 def _make_layer_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn:
+    import torch.nn.functional as F
+
     shape = (w.shape[0],)
     return lambda x: F.layer_norm(x, shape, w, b, EPS)
 
