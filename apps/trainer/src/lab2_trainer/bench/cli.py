@@ -43,6 +43,7 @@ def suite_module(name: str) -> ModuleType:
     """The module of suite ``name`` (``NAME``, ``HELP``, ``add_arguments``, ``run``)."""
     return importlib.import_module(f"lab2_trainer.bench.{SUITES[name][0]}")
 
+
 #: What ``--quick`` sets for every option the user did not give.
 QUICK = dict(device="cpu", presets=["micro"], batch_size=2, context_length=16, warmup=1,
              steps=2, rounds=1)
