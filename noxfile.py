@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import tarfile
+import zipfile
 
 import nox
 
@@ -67,24 +69,96 @@ def tests_gloo(session: nox.Session, world_size: int) -> None:
     _pytest(session, "-m", "gloo", "-p", "no:cacheprovider", LAB2_WORLD_SIZES=str(world_size))
 
 
+#: What each member's wheel is installed with for its smoke test (testing/smoke/).
+SMOKE_EXTRAS = {"tritonnorm": "interpret"}
+#: Environment of each smoke test: tritonnorm's runs its kernels under Triton's interpreter.
+SMOKE_ENV = {"tritonnorm": {"TRITON_INTERPRET": "1"}}
+#: Console scripts checked in each wheel's environment.
+SCRIPTS = {"lab2bench": "lab2bench", "lab2-trainer": "lab2-train"}
+
+
+def _build(session: nox.Session, name: str, *kinds: str) -> str:
+    """Build every member (``kinds``: ``--wheel`` and/or ``--sdist``) into a fresh folder."""
+    out = os.path.abspath(os.path.join(session.create_tmp(), name))
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("uv", "build", "--all-packages", *kinds, "--out-dir", out, external=True)
+    return out
+
+
+def _one(session: nox.Session, out: str, dist_name: str, suffix: str) -> str:
+    found = glob.glob(os.path.join(out, f"{dist_name.replace('-', '_')}-*{suffix}"))
+    if len(found) != 1:
+        session.error(f"expected one {suffix} of {dist_name} in {out}, found {found}")
+    return found[0]
+
+
+def _check_license(session: nox.Session, path: str) -> None:
+    """The repository's LICENSE is in the wheel or sdist at ``path``, word for word."""
+    with open("LICENSE", "rb") as f:
+        text = f.read()
+    if path.endswith(".whl"):
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+            ok = len(names) == 1 and z.read(names[0]) == text
+    else:
+        with tarfile.open(path) as t:
+            members = [m for m in t.getmembers() if m.name.count("/") == 1
+                       and m.name.endswith("/LICENSE")]
+            ok = len(members) == 1 and t.extractfile(members[0]).read() == text
+    if not ok:
+        session.error(f"{os.path.basename(path)} lacks the repository's LICENSE")
+
+
+def _smoke(session: nox.Session, out: str, dist_name: str) -> None:
+    """Install one member's wheel alone into a fresh venv, then run its smoke test there."""
+    module = dist_name.replace("-", "_")
+    wheel = _one(session, out, dist_name, ".whl")
+    _check_license(session, wheel)
+    venv = os.path.join(out, f"venv-{module}")
+    session.run("uv", "venv", "-q", venv, external=True)
+    py = os.path.join(venv, "bin", "python")
+    extra = f"[{SMOKE_EXTRAS[dist_name]}]" if dist_name in SMOKE_EXTRAS else ""
+    # Only this wheel comes from disk; its dependencies (the other members too)
+    # come from the dist folder where needed, and the package index otherwise.
+    session.run("uv", "pip", "install", "-q", "--python", py, "--find-links", out,
+                f"{dist_name}{extra} @ file://{wheel}", external=True)
+    session.run(py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)",
+                external=True)
+    if dist_name in SCRIPTS:
+        session.run(os.path.join(venv, "bin", SCRIPTS[dist_name]), "--version", external=True)
+    # Run from a neutral folder, so that nothing of the workspace can be imported instead.
+    script = os.path.abspath(os.path.join("testing", "smoke", f"smoke_{module}.py"))
+    with session.chdir(out):
+        session.run(py, script, env=SMOKE_ENV.get(dist_name, {}), external=True)
+
+
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build every wheel, then install each alone into a fresh venv and import it."""
+    """Build every wheel, then install each alone into a fresh venv and run its smoke test
+    (testing/smoke/): tritonnorm's runs its Triton kernels under the interpreter."""
     session.install("uv")
-    out = os.path.join(session.create_tmp(), "wheels")
-    shutil.rmtree(out, ignore_errors=True)
-    session.run("uv", "build", "--all-packages", "--wheel", "--out-dir", out, external=True)
+    out = _build(session, "wheels", "--wheel")
     for dist_name in MEMBERS:
-        module = dist_name.replace("-", "_")
-        wheels = glob.glob(os.path.join(out, f"{module}-*.whl"))
-        if len(wheels) != 1:
-            session.error(f"expected one wheel for {dist_name} in {out}, found {wheels}")
-        venv = os.path.join(out, f"venv-{module}")
-        session.run("uv", "venv", "-q", venv, external=True)
-        py = os.path.join(venv, "bin", "python")
-        # Only this wheel comes from disk; its dependencies (the other members too)
-        # come from the dist folder where needed, and the package index otherwise.
-        session.run("uv", "pip", "install", "-q", "--python", py, "--find-links", out,
-                    wheels[0], external=True)
-        session.run(py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)",
-                    external=True)
+        _smoke(session, out, dist_name)
+
+
+@nox.session(default=False)
+def publish(session: nox.Session) -> None:
+    """Build every sdist and wheel, check them, and upload them with `uv publish` when
+    UV_PUBLISH_TOKEN is set (UV_PUBLISH_URL picks another index, e.g. TestPyPI's
+    https://test.pypi.org/legacy/). Never run by a bare `nox`: `nox -s publish`."""
+    session.install("uv", "twine>=6.1", "trove-classifiers")
+    out = _build(session, "dist", "--sdist", "--wheel")
+    files = sorted(glob.glob(os.path.join(out, "*.whl")) + glob.glob(os.path.join(out, "*.tar.gz")))
+    upload = bool(os.environ.get("UV_PUBLISH_TOKEN"))
+    session.run("twine", "check", "--strict", *files)
+    session.run("python", ".ci/check_dists.py", *(["--upload"] if upload else []), *files)
+    for dist_name in MEMBERS:
+        _check_license(session, _one(session, out, dist_name, ".tar.gz"))
+        _smoke(session, out, dist_name)
+    if not upload:
+        session.log(f"UV_PUBLISH_TOKEN is not set: {len(files)} files built and checked in "
+                    f"{out}, nothing uploaded")
+        return
+    session.run("uv", "publish", *files, external=True)
+

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from lab2_trainer import __version__
 from lab2_trainer.config import NORM_KINDS, PRESETS, ModelConfig, model_config
 from lab2_trainer.errors import UsageError
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1. "
         "`lab2-train bench --help` lists the benchmark suites.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=list(PRESETS), help="size preset (default tiny)")
     m.add_argument("--d-model", type=int)

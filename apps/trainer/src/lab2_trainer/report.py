@@ -6,17 +6,36 @@ import json
 import math
 import os
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"
 SAMPLE_NAME = "sample.txt"
 SUMMARY_NAME = "summary.json"
+#: Console width off a terminal (a log file, a pipe): wide enough that no log line is wrapped
+#: and no path in the summary is cut, as rich's default of 80 columns would.
+LOG_WIDTH = 10_000
+
+
+def bytes_as_text(data: bytes) -> str:
+    """``data`` as UTF-8 text to print: undecodable bytes become ``\\xNN`` escapes, and so do
+    control characters other than newline and tab (a sample must not drive the terminal)."""
+    text = data.decode("utf-8", errors="backslashreplace")
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch)[0] != "C"
+                   else ascii(ch)[1:-1] for ch in text)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -54,6 +73,8 @@ class RunReporter:
                  log_every: int) -> None:
         self.out = out
         self.console = Console(stderr=False, highlight=False)
+        if not self.console.is_terminal:
+            self.console = Console(stderr=False, highlight=False, width=LOG_WIDTH)
         self.quiet = quiet
         self.log_every = log_every
         self.metrics_path = out / METRICS_NAME
@@ -65,8 +86,11 @@ class RunReporter:
         self._file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self.progress: Progress | None = None
         if not quiet and self.console.is_terminal:
+            # A bar that cannot advance before the run ends (one step to go) would sit at 0%.
+            advances = total_steps - start_step > 1
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                *([TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn()] if advances
+                  else [SpinnerColumn(), TextColumn("[bold]train")]),
                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                 console=self.console, transient=False,
             )
@@ -146,8 +170,7 @@ class RunReporter:
         if ent is not None:
             table.add_row("unigram entropy", f"{ent:.4f} nats/token (byte frequencies of train)")
         if val is not None and ent:
-            ratio = val / ent
-            table.add_row("val / unigram", f"{ratio:.3f} ({(1 - ratio) * 100:.1f}% below)")
+            table.add_row("val / unigram", ratio_text(val / ent))
         table.add_row("steps", f"{summary['steps']} ({summary['tokens']:,} tokens)")
         table.add_row("wall time", f"{summary['train_seconds']:.1f} s training "
                                    f"({summary['tokens_per_s']:,.0f} tokens/s)")
@@ -155,6 +178,14 @@ class RunReporter:
         for name, path in outputs.items():
             table.add_row(name, path)
         self.print(table)
+
+
+def ratio_text(ratio: float) -> str:
+    """The validation loss over the unigram entropy, and how far below (or above) it is."""
+    if math.isclose(ratio, 1.0, abs_tol=5e-4):
+        return f"{ratio:.3f} (equal to the unigram entropy)"
+    where = "below" if ratio < 1 else "above"
+    return f"{ratio:.3f} ({abs(1 - ratio) * 100:.1f}% {where} the unigram entropy)"
 
 
 class StepTimer:

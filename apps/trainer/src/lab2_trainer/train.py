@@ -38,7 +38,13 @@ from lab2_trainer.parallel import (
     full_optimizer_state,
     load_full_optimizer_state,
 )
-from lab2_trainer.report import SAMPLE_NAME, RunReporter, StepTimer, write_text_atomic
+from lab2_trainer.report import (
+    SAMPLE_NAME,
+    RunReporter,
+    StepTimer,
+    bytes_as_text,
+    write_text_atomic,
+)
 from lab2_trainer.schedule import WarmupCosine, set_lr
 from lab2_trainer.settings import TrainSettings
 
@@ -313,7 +319,7 @@ class Trainer:
             ids = self.model.generate(prompt, n_tokens, temperature=0.8, top_k=40, generator=gen)
         ids = ids[0].tolist()
         if self.corpus.is_bytes:
-            return bytes(ids).decode("utf-8", errors="replace")
+            return bytes_as_text(bytes(ids))
         return " ".join(map(str, ids))
 
 

@@ -8,25 +8,71 @@ reporting (``Recorder``, ``read_records``, ``markdown_table``, ``plot_sweep``,
 ``progress``, ``env_info``). The ``lab2bench`` command runs the benchmark suites.
 """
 
-from lab2bench import comm
-from lab2bench.bandwidth import copy_bandwidth, copy_bandwidth_stats
-from lab2bench.devices import resolve_device, synchronize
-from lab2bench.env import env_info, git_commit
-from lab2bench.memory import MemorySnapshot, PeakMemory, memory_snapshot, peak_memory, tensor_bytes
-from lab2bench.profiling import ProfileResult, label, profile
-from lab2bench.ranks import RankError, spawn_ranks
-from lab2bench.records import (
-    Recorder,
-    atomic_write_bytes,
-    atomic_write_text,
-    read_records,
-    write_jsonl,
-)
-from lab2bench.report import markdown_table, plot_sweep, progress
-from lab2bench.suites import Suite, register_suite
-from lab2bench.timing import Stats, measure
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
+
+# Every name is imported on first use (PEP 562), so that `import lab2bench` and the
+# `lab2bench --help` it serves do not import torch.
+_EXPORTS = {
+    "comm": None,
+    "copy_bandwidth": "bandwidth", "copy_bandwidth_stats": "bandwidth",
+    "resolve_device": "devices", "synchronize": "devices",
+    "env_info": "env", "git_commit": "env",
+    "MemorySnapshot": "memory", "PeakMemory": "memory", "memory_snapshot": "memory",
+    "peak_memory": "memory", "tensor_bytes": "memory",
+    "ProfileResult": "profiling", "label": "profiling", "profile": "profiling",
+    "RankError": "ranks", "spawn_ranks": "ranks",
+    "Recorder": "records", "atomic_write_bytes": "records", "atomic_write_text": "records",
+    "read_records": "records", "write_jsonl": "records",
+    "markdown_table": "report", "plot_sweep": "report", "progress": "report",
+    "Suite": "suites", "register_suite": "suites",
+    "Stats": "timing", "measure": "timing",
+}
+
+if TYPE_CHECKING:
+    from lab2bench import comm
+    from lab2bench.bandwidth import copy_bandwidth, copy_bandwidth_stats
+    from lab2bench.devices import resolve_device, synchronize
+    from lab2bench.env import env_info, git_commit
+    from lab2bench.memory import (
+        MemorySnapshot,
+        PeakMemory,
+        memory_snapshot,
+        peak_memory,
+        tensor_bytes,
+    )
+    from lab2bench.profiling import ProfileResult, label, profile
+    from lab2bench.ranks import RankError, spawn_ranks
+    from lab2bench.records import (
+        Recorder,
+        atomic_write_bytes,
+        atomic_write_text,
+        read_records,
+        write_jsonl,
+    )
+    from lab2bench.report import markdown_table, plot_sweep, progress
+    from lab2bench.suites import Suite, register_suite
+    from lab2bench.timing import Stats, measure
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lab2bench' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    if module is None:
+        return importlib.import_module(f"lab2bench.{name}")
+    value = getattr(importlib.import_module(f"lab2bench.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "MemorySnapshot",

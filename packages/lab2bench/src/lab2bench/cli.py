@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from lab2bench import __version__
 from lab2bench.suites import available_suites
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks for PyTorch code: each suite prints a Markdown table, and "
                     "with --out writes JSON lines, the table and PNG plots.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="SUITE")
     sub.add_parser("list", help="list the suites")
     for suite in available_suites().values():

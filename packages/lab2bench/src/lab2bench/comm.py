@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lab2bench.ranks import RankError, spawn_ranks
 from lab2bench.report import progress as _progress
-from lab2bench.timing import Stats
+
+if TYPE_CHECKING:  # imported where used, so that the suite's --help does not load torch
+    import torch
 
 KB = 1024
 MB = 1024 * 1024
@@ -68,6 +68,7 @@ def format_size(nbytes: int) -> str:
 
 def _allreduce_rank(rank: int, world_size: int, spec: dict[str, Any]) -> list[dict] | None:
     """One rank (group already joined): time all_reduce at every size; rank 0 reports."""
+    import torch
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if spec["device"] == "cuda" \
@@ -120,6 +121,7 @@ def _run_cell(backend: str, device_type: str, world_size: int, sizes: list[int],
 def _infeasible(backend: str, device: str, world_size: int, max_bytes: int,
                 dtype: torch.dtype) -> str | None:
     """Why this cell cannot run here, or None."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -156,7 +158,7 @@ def allreduce_sweep(
     warmup: int = 5,
     repeats: int = 20,
     timeout: float = 600.0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     on_error: str = "raise",
     show_progress: bool | None = None,
 ) -> list[dict[str, Any]]:
@@ -171,7 +173,7 @@ def allreduce_sweep(
         repeats: timed all-reduces per size (each preceded by a barrier).
         timeout: seconds one (backend, device, world size) cell may take; past it its
             ranks are killed and the cell fails.
-        dtype: element type of the tensors.
+        dtype: element type of the tensors (default float32).
         on_error: ``"raise"`` raises ``CommBenchError`` when a cell fails; ``"record"``
             adds a row with ``status="failed"`` and the error in ``note``, and goes on.
         show_progress: a progress bar over the cells (default: when stderr is a tty).
@@ -183,6 +185,11 @@ def allreduce_sweep(
         dict per infeasible cell with ``status="skipped"`` (or ``"failed"``) and a
         ``note`` saying why, with ``size_bytes`` None.
     """
+    import torch
+
+    from lab2bench.timing import Stats
+
+    dtype = torch.float32 if dtype is None else dtype
     backends = [b.lower() for b in backends]
     devices = [d.lower() for d in devices]
     for b in backends:

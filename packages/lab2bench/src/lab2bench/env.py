@@ -9,9 +9,10 @@ import platform
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _VERSIONED = ("torch", "triton", "numpy", "lab2bench", "tritonnorm", "liger-kernel")
 
@@ -41,6 +42,8 @@ def git_commit(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | N
 
 @functools.lru_cache(maxsize=1)
 def _static_info() -> dict[str, Any]:
+    import torch
+
     versions = {name: _version(name) for name in _VERSIONED}
     versions["python"] = platform.python_version()
     info: dict[str, Any] = {
@@ -60,6 +63,8 @@ def _static_info() -> dict[str, Any]:
 
 def device_name(device: torch.device | str | None = None) -> str:
     """A readable name of the device: the GPU's model, or the CPU's."""
+    import torch
+
     dev = torch.device(device) if device is not None else None
     if dev is None:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -90,6 +95,8 @@ def env_info(device: torch.device | str | None = None) -> dict[str, Any]:
         ``cuda_version``, ``gpu_count``, ``gpu_names``, ``git`` (commit and dirty
         flag of the working directory's checkout, or None).
     """
+    import torch
+
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     info = dict(_static_info())

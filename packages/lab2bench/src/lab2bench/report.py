@@ -165,6 +165,9 @@ def progress(
 ) -> Iterator[T]:
     """Iterate over ``items`` with a rich progress bar on stderr.
 
+    A bar that could not advance before the end (one item, or an unknown number) is a
+    spinner instead, rather than a bar at 0% for the whole time.
+
     Args:
         items: what to iterate over.
         description: text shown beside the bar.
@@ -177,9 +180,21 @@ def progress(
         yield from items
         return
     from rich.console import Console
-    from rich.progress import track
+    from rich.progress import Progress
 
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
-    yield from track(items, description=description, total=total,
-                     console=Console(stderr=True), transient=True)
+    with Progress(*_progress_columns(total), console=Console(stderr=True),
+                  transient=True) as bar:
+        yield from bar.track(items, total=total, description=description)
+
+
+def _progress_columns(total: int | None) -> list[Any]:
+    """Rich's default columns (description, bar, percentage, time left) for ``total`` items;
+    description, spinner and elapsed time where a bar could not advance."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    if total is None or total <= 1:
+        return [TextColumn("[progress.description]{task.description}"), SpinnerColumn(),
+                TimeElapsedColumn()]
+    return list(Progress.get_default_columns())

@@ -8,26 +8,41 @@ model on the CPU in seconds. ``lab2-train bench SUITE --help`` lists a suite's o
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from types import ModuleType
 
-import torch
+from lab2_trainer import __version__
 
-from lab2_trainer.bench import (
-    compiled,
-    ddp,
-    e2e,
-    memory,
-    norm_swap,
-    precision,
-    stack,
-    zero,
-)
-from lab2_trainer.bench.report import SuiteOutput
-from lab2_trainer.bench.workload import PRECISIONS, preset_names, resolve_device
+#: Every suite by name: the module under ``lab2_trainer.bench`` that runs it, and its
+#: one-line help (the module's ``HELP``). The modules import torch, so only the suite
+#: asked for is imported, and ``--help`` imports none.
+SUITES = {
+    "e2e": ("e2e", "forward and forward+backward time per preset (warm-up excluded, mean "
+                   "and std)"),
+    "precision": ("precision", "fp32 vs bf16 (and fp16) autocast: forward, forward+backward "
+                               "and training step"),
+    "compile": ("compiled", "eager vs torch.compile: forward, forward+backward and training "
+                            "step"),
+    "norm": ("norm_swap", "norm swap in the full model: tritonnorm vs reference vs torch "
+                          "RMSNorm vs LayerNorm"),
+    "memory": ("memory", "peak memory of forward, forward+backward and full AdamW step per "
+                         "preset/context length"),
+    "ddp": ("ddp", "DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: step "
+                   "time and exposed communication, N ranks in one run"),
+    "zero": ("zero", "ShardedOptimizer vs ZeroRedundancyOptimizer vs unsharded AdamW: memory "
+                     "at setup, before and after the step, state bytes per rank, step time"),
+    "stack": ("stack", "tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs "
+                       "DistributedDataParallel + ZeroRedundancyOptimizer + torch RMSNorm"),
+}
 
-SUITES = {m.NAME: m for m in (e2e, precision, compiled, norm_swap, memory, ddp, zero, stack)}
+
+def suite_module(name: str) -> ModuleType:
+    """The module of suite ``name`` (``NAME``, ``HELP``, ``add_arguments``, ``run``)."""
+    return importlib.import_module(f"lab2_trainer.bench.{SUITES[name][0]}")
+
 
 #: What ``--quick`` sets for every option the user did not give.
 QUICK = dict(device="cpu", presets=["micro"], batch_size=2, context_length=16, warmup=1,
@@ -48,6 +63,8 @@ def _csv(kind: type) -> type:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    from lab2_trainer.bench.workload import PRECISIONS, preset_names
+
     g = parser.add_argument_group("common options")
     g.add_argument("--quick", action="store_true",
                    help="micro model on the CPU, 2 steps: a smoke run in seconds")
@@ -74,20 +91,33 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         "--quick, else torch's default, or cores // world size per rank)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(options_of: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; only the suites in ``options_of`` (default: all) get their options,
+    since adding them imports the suite's module."""
+    options_of = set(SUITES if options_of is None else options_of)
     parser = argparse.ArgumentParser(
         prog="lab2-train bench",
         description="Model-level benchmark suites of the lab2 Transformer.",
     )
+    parser.add_argument("--version", action="version", version=f"lab2-train {__version__}")
     sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
-    for name, module in SUITES.items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        _common(p)
-        module.add_arguments(p)
+    for name, (_, help_text) in SUITES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name in options_of:
+            _common(p)
+            suite_module(name).add_arguments(p)
     return parser
 
 
+def _suite_named(argv: Sequence[str]) -> str | None:
+    """The suite on the command line: its first argument that is not an option."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in SUITES else None
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
+    from lab2_trainer.bench.workload import preset_names, resolve_device
+
     base = QUICK if args.quick else FULL
     for key, value in base.items():
         if getattr(args, key, None) is None:
@@ -140,9 +170,16 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one suite. Returns 0; bad options exit with a one-line message."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    suite = _suite_named(argv)
+    args = build_parser([suite] if suite else []).parse_args(argv)
+    # torch is imported only now, so that `--help` stays quick.
+    import torch
+
+    from lab2_trainer.bench.report import SuiteOutput
+
     _fill_defaults(args)
-    module = SUITES[args.suite]
+    module = suite_module(args.suite)
     out = SuiteOutput(args.suite, args.out)
     t0 = time.perf_counter()
     saved_threads = torch.get_num_threads()

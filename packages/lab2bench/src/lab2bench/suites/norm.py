@@ -12,20 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lab2bench.bandwidth import copy_bandwidth_stats
-from lab2bench.devices import resolve_device
 from lab2bench.env import env_info
 from lab2bench.records import Recorder
 from lab2bench.report import markdown_table, plot_sweep, progress
 from lab2bench.suites.base import Suite, comma_list, positive_int, write_markdown_report
 from lab2bench.suites.norm_impls import IMPLS, OURS, Unavailable, rms_norm_reference
-from lab2bench.timing import measure
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch is imported by the functions that run, so that --help skips it
+    import torch
+
+#: Names of torch dtypes.
+DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 #: The handout's shapes, and the large-H set where the alternatives fall behind.
 DEFAULT_ROWS = 50_000
@@ -131,6 +130,10 @@ def _measure_impl(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                   device: torch.device, warmup: int, repeats: int,
                   flush_l2: bool, timings: list[str]) -> dict[str, Any]:
     """Check one implementation against float64, then time fwd and fwd+bwd each way."""
+    import torch
+
+    from lab2bench.timing import measure
+
     impl = IMPLS[name]
     try:
         fn = impl.make(w, b)
@@ -197,6 +200,11 @@ def _short(err: BaseException, limit: int = 300) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from lab2bench.bandwidth import copy_bandwidth_stats
+    from lab2bench.devices import resolve_device
+
     device = resolve_device(args.device or ("cpu" if args.quick else None))
     flush_l2 = args.flush_l2 if args.flush_l2 is not None else device.type == "cuda"
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
@@ -227,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     # Drawn on the device: a 50,000 x 8,192 input would take seconds to draw on the CPU.
     gen = torch.Generator(device=device).manual_seed(args.seed)
     for dtype_name, hidden, nrows in progress(configs, description="norm"):
-        dtype = DTYPES[dtype_name]
+        dtype = getattr(torch, dtype_name)
         # Random inputs and weights (never ones: a weight of ones hides weight bugs).
         x = torch.randn(nrows, hidden, generator=gen, device=device).to(dtype)
         w = (0.5 + torch.rand(hidden, generator=gen, device=device)).to(dtype)

@@ -13,14 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where used, so that `lab2bench --help` skips it
+    import torch
 
 EPS = 1e-5
-NormFn = Callable[[torch.Tensor], torch.Tensor]
+NormFn = Callable[["torch.Tensor"], "torch.Tensor"]
 #: ``(x, weight, bias) -> y``; the bias is used by LayerNorm only.
-NormFn3 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+NormFn3 = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 class Unavailable(RuntimeError):
@@ -29,6 +30,8 @@ class Unavailable(RuntimeError):
 
 def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """The formula in eager PyTorch, computed in float32, returned in x's dtype."""
+    import torch
+
     x32 = x.float()
     inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32 * inv_rms * weight.float()).to(x.dtype)
@@ -36,6 +39,8 @@ def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> t
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """float64 reference for the correctness check."""
+    import torch
+
     x64, w64 = x.double(), weight.double()
     return x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps) * w64
 
@@ -101,6 +106,8 @@ def _make_tritonnorm_api(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
 
 
 def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
+    import torch
+
     if not hasattr(torch, "compile"):
         raise Unavailable("torch.compile is not available")
     # A fresh compilation per shape: one compiled function reused over many shapes
@@ -111,6 +118,9 @@ def _make_compiled(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
 
 
 def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
+    import torch
+    import torch.nn.functional as F
+
     if not hasattr(F, "rms_norm"):
         raise Unavailable(f"torch {torch.__version__} has no torch.nn.functional.rms_norm")
     shape = (w.shape[0],)
@@ -118,6 +128,8 @@ def _make_f_rms_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
 
 
 def _make_layer_norm(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
+    import torch.nn.functional as F
+
     shape = (w.shape[0],)
     return lambda x, w, b: F.layer_norm(x, shape, w, b, EPS)
 

@@ -1,0 +1,35 @@
+"""``lab2-train --help``, ``lab2-train bench --help`` and ``--version`` answer without
+importing torch."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from lab2_testing.cli import run_main
+from lab2_trainer.bench.cli import SUITES, suite_module
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench"]])
+def test_help_imports_no_torch(argv):
+    run = run_main("lab2_trainer.cli", argv)
+    assert run.slow_imports == [], f"lab2-train {' '.join(argv)} imported {run.slow_imports}"
+    assert run.code == (0 if "--help" in argv else 2), run
+    if argv[0] == "bench" and "--help" in argv:
+        assert all(name in run.out for name in SUITES)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["bench", "--version"]])
+def test_version(argv):
+    run = run_main("lab2_trainer.cli", argv)
+    assert run.code == 0 and run.slow_imports == []
+    assert run.out.strip() == f"lab2-train {importlib.metadata.version('lab2-trainer')}"
+
+
+@pytest.mark.parametrize("name", list(SUITES))
+def test_suite_table_matches_modules(name):
+    """The help listed without importing the suites is each module's own."""
+    module = suite_module(name)
+    assert name == module.NAME
+    assert SUITES[name][1] == module.HELP

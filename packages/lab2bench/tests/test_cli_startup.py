@@ -1,0 +1,23 @@
+"""``lab2bench --help``, ``--version`` and ``list`` answer without importing torch."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from lab2_testing.cli import run_main
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["norm", "--help"], ["comm", "--help"]])
+def test_help_imports_no_torch(argv):
+    run = run_main("lab2bench.cli", argv)
+    assert run.code in (0, None), run
+    assert run.slow_imports == [], f"lab2bench {' '.join(argv)} imported {run.slow_imports}"
+    assert "usage: lab2bench" in run.out or "norm" in run.out
+
+
+def test_version():
+    run = run_main("lab2bench.cli", ["--version"])
+    assert run.code == 0 and run.slow_imports == []
+    assert run.out.strip() == f"lab2bench {importlib.metadata.version('lab2bench')}"

@@ -1,0 +1,52 @@
+"""Run a command's ``main`` in a fresh interpreter and see which slow libraries it imported.
+
+``--help`` must not import torch: on a small machine without cached bytecode that alone
+takes 10 s or more. Checking the modules loaded, rather than timing the command, gives the
+same answer on a loaded CI machine as on an idle one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+#: Libraries that take seconds to import; a command's help and version need none of them.
+SLOW_IMPORTS = ("torch", "triton", "numpy", "matplotlib")
+
+_PROBE = """
+import json, sys
+from {module} import main
+try:
+    code = main({argv!r})
+except SystemExit as exc:
+    code = exc.code
+sys.stdout.flush()
+loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({slow!r}))
+print("\\n" + json.dumps({{"code": code, "loaded": loaded}}))
+"""
+
+
+@dataclass
+class CliRun:
+    code: int | str | None
+    """What ``main`` returned or exited with."""
+    out: str
+    """What it printed on stdout."""
+    slow_imports: list[str]
+    """The libraries of ``SLOW_IMPORTS`` it imported."""
+
+
+def run_main(module: str, argv: list[str], timeout: float = 120.0) -> CliRun:
+    """``module.main(argv)`` in a fresh interpreter."""
+    probe = _PROBE.format(module=module, argv=argv, slow=SLOW_IMPORTS)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=timeout)
+    out, _, last = proc.stdout.rstrip("\n").rpartition("\n")
+    try:
+        result = json.loads(last)
+    except json.JSONDecodeError:
+        raise AssertionError(f"{module} {argv} crashed (exit {proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}") from None
+    return CliRun(result["code"], out, result["loaded"])
