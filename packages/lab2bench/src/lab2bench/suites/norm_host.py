@@ -325,7 +325,6 @@ def run(args: argparse.Namespace) -> int:
     from lab2bench.env import env_info
     from lab2bench.records import Recorder
     from lab2bench.report import markdown_table
-    from lab2bench.suites.norm import DTYPES
 
     device = resolve_device(args.device or ("cpu" if args.quick else None))
     quick = args.quick
@@ -346,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     for dtype_name in dtypes:
         for hidden in hiddens:
             for nrows in row_counts:
-                cell = measure_cell(impl_names, dtype=DTYPES[dtype_name], hidden=hidden,
+                cell = measure_cell(impl_names, dtype=getattr(torch, dtype_name), hidden=hidden,
                                     rows=nrows, device=device, calls=calls, rounds=rounds,
                                     warmup=warmup, seed=args.seed)
                 _add_ratios(cell)
