@@ -43,7 +43,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5)
     eps = check_eps(eps)
     dt = _math_dtype(x, weight)
     xf = x.to(dt)
-    return (xf * _rstd(xf, eps) * weight.to(dt)).to(x.dtype)
+    y = xf * _rstd(xf, eps) * weight.to(dt)
+    # No same-dtype .to(): it returns y itself, and torch 2.11's dynamo then also returns
+    # that tensor as a second output of RMSNormTorchFunction's traced forward, whose
+    # gradient slot the backward ignores: x and weight got zero gradients
+    # (pytorch/pytorch#180642; fixed by #180921, 2.13 is not affected).
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def rms_norm_backward_x(
