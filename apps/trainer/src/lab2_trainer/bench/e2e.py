@@ -1,7 +1,9 @@
 """Suite ``e2e``: forward and forward+backward time per preset (the handout's table).
 
 One model per preset on one device, random token batches; warm-up steps are left out and
-the figures are the mean and standard deviation over the timed steps.
+the figures are the mean and standard deviation over the timed steps. ``mfu`` is model FLOPs
+utilisation against the device's dense bf16 peak (``lab2_trainer.mfu``; a forward counts a
+third of a training step's FLOPs), empty on the CPU and on GPUs without a known peak.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from lab2_trainer.bench.workload import (
     free_memory,
     random_batch,
 )
+from lab2_trainer.mfu import (
+    device_label,
+    device_peak,
+    matmul_parameters,
+    mfu,
+    training_flops_per_token,
+)
 
 NAME = "e2e"
 HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"
-COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s"]
+COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s", "mfu"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +47,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                        modes=args.modes)
     out.table(COLUMNS, title=f"e2e: batch {args.batch_size} x context {args.context_length}, "
                              f"{args.device}, {args.warmup} warm-up + {args.steps} timed steps")
+    out.note(mfu_note(args.device))
     out.plot("time", x="params_M", y="mean_ms", series="mode")
 
 
@@ -59,11 +69,25 @@ def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, n
     stats = time_modes(timed, batch, modes=modes, precision=precision,
                        device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps)
     tokens = args.batch_size * args.context_length
+    peak = device_peak(args.device)
+    train_flops = training_flops_per_token(config, matmul_parameters(model))
     for mode, st in stats.items():
         conf = {"preset": preset, "params_M": params / 1e6, "norm": config.norm,
                 "precision": precision, "mode": mode, "batch_size": args.batch_size,
                 "context_length": args.context_length, "device": args.device,
                 "warmup": args.warmup, "steps": args.steps, **(extra or {})}
-        out.add(conf, stats_metrics(st, tokens))
+        metrics = stats_metrics(st, tokens)
+        flops = train_flops / 3 if mode == "forward" else train_flops
+        metrics["mfu"] = mfu(metrics["tokens_per_s"], flops, peak)
+        out.add(conf, metrics)
     del model, timed, batch
     free_memory(args.device)
+
+
+def mfu_note(device: str) -> str:
+    """The line under a table that says what ``mfu`` is measured against."""
+    peak = device_peak(device)
+    if peak is None:
+        return (f"mfu: not reported (no known dense bf16 peak for {device_label(device)}).")
+    return (f"mfu: model FLOPs (6N + 12·layers·d_model·context per token; a forward a third) "
+            f"over {peak.name}, {peak.flops / 1e12:,.0f} TFLOP/s per device.")
