@@ -2,9 +2,10 @@
 
 Drawing a batch is host work (random offsets, a gather from a memory map); done at the
 start of a step, the GPU would idle through it whenever the host is not already ahead
-(after a logging step's synchronisation, say). :class:`Prefetcher` draws batch s + 1 as
-soon as batch s is handed out, with an asynchronous copy (``BatchSampler.next_local``
-pins the host memory), so it is on the device by the time it is needed.
+(after a logging step's synchronisation, say). With :class:`Prefetcher` the trainer draws
+batch s + 1 once step s's work is queued, while the GPU runs it, with an asynchronous copy
+(``BatchSampler.next_local`` pins the host memory), so it is on the device by the time it
+is needed.
 
 Prefetching draws one batch ahead of training, so the sampler's own position is one too
 far for a checkpoint: :meth:`Prefetcher.state_dict` reports the batches handed out.
@@ -37,11 +38,16 @@ class Prefetcher:
         return self.sampler.next_local(*self._args)
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This step's micro-batches; the following step's are drawn before returning."""
+        """This step's micro-batches: the prefetched ones, or drawn now if none are."""
         batch = self._next if self._next is not None else self._draw()
+        self._next = None
         self.consumed += 1
-        self._next = self._draw()
         return batch
+
+    def prefetch(self) -> None:
+        """Draw the next step's micro-batches now (call once the current step is queued)."""
+        if self._next is None:
+            self._next = self._draw()
 
     def state_dict(self) -> dict:
         """The sampler's state at the batches handed out (not the one drawn ahead)."""

@@ -222,6 +222,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # The GPU has this step's work queued: draw and send the next batch meanwhile.
+        self.batches.prefetch()
         self.step += 1
         return loss_sum / s.grad_accum, grad_norm
 
