@@ -278,6 +278,17 @@ def test_local_optimizer_uses_foreach_unless_the_user_chose() -> None:
     mixed = ShardedOptimizer(groups, torch.optim.SGD, lr=0.1)
     assert [g["foreach"] for g in mixed.local_optimizer.param_groups] == [False, True]
     assert [g["foreach"] for g in mixed.param_groups] == [False, None]
+    # A group asking for fused kernels is not also given foreach (the two exclude each other).
+    model3 = _model()
+    groups = _groups(model3)
+    groups[1]["fused"] = True
+    fused = ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2)
+    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
+    _train(model3, fused, 1, seed=10)
+    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
+    fused.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))],
+                           "fused": True})
+    assert fused.local_optimizer.param_groups[2]["foreach"] is None
     # Classes without a foreach option get nothing added.
     class Descent(torch.optim.Optimizer):
         def __init__(self, params, lr):

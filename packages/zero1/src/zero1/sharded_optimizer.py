@@ -35,13 +35,17 @@ def _size(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "differentiable")
+
+
 def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Implementation options the local optimizer gets on top of the user's ``defaults``.
+    """Implementation options the local optimizer's groups get on top of the user's.
 
     ``foreach=True`` when the class takes it and the user chose no implementation
     (``foreach``, ``fused``) and no ``differentiable`` step: PyTorch's own default picks
     foreach kernels on CUDA only, which leaves a Python loop over parameters on the CPU.
-    The result is the same arithmetic; only the loop goes.
+    The result is the same arithmetic; only the loop goes. A group that names one of
+    these options itself gets nothing (see :func:`_choices_for`).
 
     Returns:
         ``{option: value}`` for the local optimizer (empty when nothing is chosen).
@@ -52,11 +56,17 @@ def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> 
         return {}
     if "foreach" not in accepted:
         return {}
-    if any(defaults.get(k) is not None for k in ("foreach", "fused")):
-        return {}
-    if defaults.get("differentiable"):
+    if any(defaults.get(k) for k in _IMPLEMENTATION_KEYS) or defaults.get("foreach") is not None:
         return {}
     return {"foreach": True}
+
+
+def _choices_for(group: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any]:
+    """``choices`` for one group, unless the group picks an implementation itself (a
+    ``foreach`` that is not None, ``fused`` or ``differentiable``)."""
+    if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
+        return {}
+    return choices
 
 
 class ShardedOptimizer(Optimizer):
@@ -112,16 +122,18 @@ class ShardedOptimizer(Optimizer):
         self._owners: list[list[int]] = []  # per group, the owning rank of each parameter
         local_groups = []
         for group in groups:
-            owners = self._partition(group["params"])
-            self._owners.append(owners)
-            local_groups.append({**hyperparameters(group), "params": self._mine(group, owners)})
-        # Options we choose for the local optimizer stay out of our own groups and state
-        # dicts, which keep what a plain optimizer with the user's arguments would show.
+            self._owners.append(self._partition(group["params"]))
+        # Options we choose for the local optimizer's groups stay out of our own groups and
+        # state dicts, which keep what a plain optimizer with the user's arguments shows.
         self._local_choices = _local_choices(optimizer_cls, defaults)
+        self._public_values = {k: defaults.get(k) for k in self._local_choices}
+        for group, owners in zip(groups, self._owners):
+            local_groups.append({**hyperparameters(group),
+                                 **_choices_for(group, self._local_choices),
+                                 "params": self._mine(group, owners)})
         # An optimizer accepts empty groups, so a rank owning nothing still keeps one
         # local group per global group and the two lists stay aligned.
-        self._local = optimizer_cls(local_groups, **defaults, **self._local_choices)
-        self._public_values = {k: defaults.get(k) for k in self._local_choices}
+        self._local = optimizer_cls(local_groups, **defaults)
 
         # Our groups take the local optimizer's filled-in hyperparameters, so both agree.
         full_groups = [
@@ -129,7 +141,7 @@ class ShardedOptimizer(Optimizer):
             for local, group in zip(self._local.param_groups, groups)
         ]
         self._constructing = True
-        super().__init__(full_groups, self._public(self._local.defaults, {}))
+        super().__init__(full_groups, dict(self._local.defaults))
         self._constructing = False
         self.state = self._local.state  # type: ignore[assignment]
         self._consolidated_state: dict[int, Any] | None = None
@@ -208,9 +220,9 @@ class ShardedOptimizer(Optimizer):
         loads_before = self._loads
         owners = self._partition(group["params"])
         try:
-            self._local.add_param_group(
-                {**hyperparameters(group), "params": self._mine(group, owners)}
-            )
+            self._local.add_param_group({**hyperparameters(group),
+                                         **_choices_for(group, self._local_choices),
+                                         "params": self._mine(group, owners)})
         except BaseException:
             self._loads = loads_before
             raise
@@ -236,12 +248,13 @@ class ShardedOptimizer(Optimizer):
         user's default, and follows the group once it is edited (``group["foreach"] =
         False``).
         """
-        public, chosen = self._public_values, self._local_choices
+        public = self._public_values
         for group, local in zip(self.param_groups, self._local.param_groups):
+            chosen = _choices_for(group, self._local_choices)
             for key, value in group.items():
                 if key in PARAM_KEYS:
                     continue
-                local[key] = chosen[key] if key in public and value == public[key] else value
+                local[key] = chosen[key] if key in chosen and value == public[key] else value
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then give every rank the updated parameters.
