@@ -125,6 +125,17 @@ def test_stack_suite(tmp_path, capsys):
     assert by_variant["ours"]["metrics"]["tokens_per_s"] > 0
 
 
+def test_stack_suite_compiled(tmp_path, capsys):
+    # Both stacks compiled the same way (here by the "eager" backend, which only traces);
+    # MFU empty on the CPU.
+    records = run_suite(tmp_path, capsys, "stack", "--steps", "1", "--compile",
+                        "--backend", "eager")
+    by_variant = {r["config"]["variant"]: r for r in records}
+    assert {r["config"]["compiled"] for r in records} == {"eager"}  # the backend's name
+    assert by_variant["ours"]["metrics"]["tokens_per_s"] > 0
+    assert all(r["metrics"]["mfu"] is None for r in records)
+
+
 def test_prints_without_out(capsys):
     assert main(["e2e", "--quick", "--modes", "forward"]) == 0
     assert "| micro" in capsys.readouterr().out

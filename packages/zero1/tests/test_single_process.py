@@ -247,3 +247,57 @@ def test_add_param_group_mid_training_matches_plain() -> None:
     _train(ref, plain, 3, seed=6)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert _rel_err(p, q) < 1e-12
+
+
+def test_local_optimizer_uses_foreach_unless_the_user_chose() -> None:
+    # Our default: foreach kernels for the shard, invisible in our groups and state dicts.
+    model, ref = _model(), _model()
+    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2)
+    plain = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [True, True]
+    assert [g["foreach"] for g in opt.param_groups] == [None, None]
+    _train(model, opt, 3, seed=7)
+    _train(ref, plain, 3, seed=7)
+    assert opt.local_optimizer.param_groups[0]["foreach"] is True  # kept through the push
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert _rel_err(p, q) < 1e-12
+    opt.consolidate_state_dict()
+    assert opt.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    # An edit of the group reaches the shard, and going back restores our choice.
+    opt.param_groups[1]["foreach"] = False
+    _train(model, opt, 1, seed=8)
+    assert opt.local_optimizer.param_groups[1]["foreach"] is False
+    opt.param_groups[1]["foreach"] = None
+    _train(model, opt, 1, seed=9)
+    assert opt.local_optimizer.param_groups[1]["foreach"] is True
+    # The user's choice, in the defaults or in one group, is left alone.
+    looped = ShardedOptimizer(_groups(_model()), torch.optim.AdamW, lr=1e-2, foreach=False)
+    assert [g["foreach"] for g in looped.local_optimizer.param_groups] == [False, False]
+    groups = _groups(_model())
+    groups[0]["foreach"] = False
+    mixed = ShardedOptimizer(groups, torch.optim.SGD, lr=0.1)
+    assert [g["foreach"] for g in mixed.local_optimizer.param_groups] == [False, True]
+    assert [g["foreach"] for g in mixed.param_groups] == [False, None]
+    # A group asking for fused kernels is not also given foreach (the two exclude each other).
+    model3 = _model()
+    groups = _groups(model3)
+    groups[1]["fused"] = True
+    fused = ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2)
+    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
+    _train(model3, fused, 1, seed=10)
+    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
+    fused.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))],
+                           "fused": True})
+    assert fused.local_optimizer.param_groups[2]["foreach"] is None
+    # Classes without a foreach option get nothing added.
+    class Descent(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+    own = ShardedOptimizer(_groups(_model()), Descent, lr=0.1)
+    assert "foreach" not in own.local_optimizer.defaults and "foreach" not in own.defaults

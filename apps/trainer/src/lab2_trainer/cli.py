@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip", type=float, help="gradient-norm clip, 0 = off (default 1.0)")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="(default fp32)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    t.add_argument("--compile-backend", help="torch.compile backend (default inductor)")
+    t.add_argument("--compile-mode", help="torch.compile mode, e.g. max-autotune (default none)")
     t.add_argument("--seed", type=int, help="seed of weights, data and samples (default 0)")
     r = p.add_argument_group("parallelism")
     r.add_argument("--nproc", type=int, help=f"local ranks to spawn (default {DEFAULT_CPU_RANKS} "

@@ -290,9 +290,16 @@ class BatchSampler:
         per_rank = self.batch_size // world_size
         mine = self.next_global()[rank * per_rank : (rank + 1) * per_rank]
         micro = per_rank // grad_accum
+        device = torch.device(device)
         out = []
         for i in range(grad_accum):
-            chunk = torch.from_numpy(mine[i * micro : (i + 1) * micro]).to(device)
+            chunk = torch.from_numpy(mine[i * micro : (i + 1) * micro])
+            if device.type == "cuda":
+                # From pinned memory the copy is asynchronous: the host queues it behind
+                # the GPU's work and goes on instead of waiting for that work to finish.
+                chunk = chunk.pin_memory().to(device, non_blocking=True)
+            else:
+                chunk = chunk.to(device)
             out.append((chunk[:, :-1], chunk[:, 1:]))
         return out
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab2_trainer.config import ModelConfig
+from lab2_trainer.kv_cache import KVCache, LayerKV
 
 
 class ReferenceRMSNorm(nn.Module):
@@ -106,21 +107,46 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t sees positions <= t only."""
+    """Multi-head self-attention where position t sees positions <= t only.
+
+    While ``kv`` holds a :class:`~lab2_trainer.kv_cache.LayerKV` (set by
+    :meth:`TransformerLM.forward_cached` for its duration), the input is the next tokens
+    only: their keys and values are appended to the cache, and they attend to every
+    position held there.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.kv: LayerKV | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         # (B, T, D) -> (B, heads, T, head_dim), the layout SDPA expects.
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = self._attend_cached(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values, start = self.kv.update(k, v)
+        t = q.shape[2]
+        if start == 0:
+            # A prefill: the usual causal attention over the new positions alone.
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        if t == 1:
+            # One new token sees every held position: no mask at all.
+            return F.scaled_dot_product_attention(q, keys, values)
+        # Several new tokens after held ones: new token i (absolute start + i) sees keys
+        # up to start + i. SDPA's is_causal aligns the corners the other way (query i sees
+        # key i), so the mask is spelled out.
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
@@ -240,16 +266,63 @@ class TransformerLM(nn.Module):
             )
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
-        pending = None
-        for block in self.blocks:
-            x, pending = block(x, pending)
-        logits = self.lm_head(add_and_norm(self.norm_f, x, pending)[0])
+        logits = self.lm_head(add_and_norm(self.norm_f, *self._run_blocks(x))[0])
         if targets is None:
             return logits
         # Cross-entropy in float32 even under autocast: the log-softmax over the
         # vocabulary is where half precision loses the most.
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
         return logits, loss
+
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        """The attention modules, first layer first (what a KV cache has one entry for)."""
+        return [m for m in self.modules() if isinstance(m, CausalSelfAttention)]
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for :meth:`forward_cached`, as long as the context window."""
+        return KVCache(len(self.attention_layers()), self.config.context_length)
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run the next tokens ``idx`` (B, t) after the positions ``cache`` holds.
+
+        Their keys and values join the cache and its length grows by t. On an empty cache
+        this is the prefill of a prompt.
+
+        Returns:
+            The logits of the last of the t positions, (B, vocab_size).
+
+        Raises:
+            ValueError: the cache has fewer than t free positions.
+        """
+        t = idx.shape[-1]
+        start = cache.length
+        if t > cache.free:
+            raise ValueError(f"{t} tokens after {start} exceed the KV cache's "
+                             f"{cache.capacity} positions")
+        layers = self.attention_layers()
+        if len(layers) != len(cache.layers):
+            raise ValueError(f"the KV cache has {len(cache.layers)} layers, the model "
+                             f"{len(layers)}")
+        pos = torch.arange(start, start + t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for attn, kv in zip(layers, cache.layers):
+            attn.kv = kv
+        try:
+            x, pending = self._run_blocks(x)
+        finally:
+            for attn in layers:
+                attn.kv = None
+        cache.advance(t)
+        return self.lm_head(add_and_norm(self.norm_f, x[:, -1:], pending[:, -1:])[0])[:, -1]
+
+    def _run_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks over the embedded input: (residual stream, last block's feed-forward
+        output, still to be added by the final norm)."""
+        pending = None
+        for block in self.blocks:
+            x, pending = block(x, pending)
+        return x, pending
 
     @torch.no_grad()
     def generate(
@@ -259,8 +332,17 @@ class TransformerLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
         """Extend ``idx`` (B, T) by sampling ``max_new_tokens`` tokens one at a time.
+
+        With ``use_cache`` (the default) the prompt's last ``context_length`` tokens are run
+        once and each new token alone, against a KV cache. When the cache is full, it is
+        refilled from the last ``context_length // 2`` tokens (at least one), so beyond the
+        window each token is conditioned on between half a window and a whole one. Without
+        the cache every token recomputes a full sliding window of the last
+        ``context_length`` tokens: the same tokens as with it while the sequence fits the
+        window, slower, and always a whole window of context beyond it.
 
         Args:
             idx: prompt token ids, (B, T) with T >= 1.
@@ -268,26 +350,42 @@ class TransformerLM(nn.Module):
             temperature: logits are divided by it; 0 means greedy (argmax).
             top_k: sample only among the k most likely tokens.
             generator: random generator for the sampling (for reproducible samples).
+            use_cache: decode against a KV cache (see above).
 
         Returns:
             (B, T + max_new_tokens) token ids.
         """
+        context = self.config.context_length
+        keep = max(1, context // 2)
         was_training = self.training
         self.eval()
         try:
-            for _ in range(max_new_tokens):
-                window = idx[:, -self.config.context_length :]
-                logits = self(window)[:, -1, :].float()
-                if temperature <= 0:
-                    nxt = logits.argmax(dim=-1, keepdim=True)
+            cache = self.new_kv_cache() if use_cache else None
+            for i in range(max_new_tokens):
+                if cache is None:
+                    logits = self(idx[:, -context:])[:, -1, :]
+                elif i == 0:
+                    logits = self.forward_cached(idx[:, -context:], cache)
+                elif cache.free == 0:
+                    cache.reset()
+                    logits = self.forward_cached(idx[:, -keep:], cache)
                 else:
-                    logits = logits / temperature
-                    if top_k is not None and top_k < logits.shape[-1]:
-                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = F.softmax(logits, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=generator)
+                    logits = self.forward_cached(idx[:, -1:], cache)
+                nxt = self._pick(logits.float(), temperature, top_k, generator)
                 idx = torch.cat([idx, nxt], dim=1)
         finally:
             self.train(was_training)
         return idx
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
+              generator: torch.Generator | None) -> torch.Tensor:
+        """The next token of each row: argmax at temperature 0, else a (top-k) sample."""
+        if temperature <= 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = F.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)

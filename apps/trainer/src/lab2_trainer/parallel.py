@@ -91,16 +91,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(model: nn.Module, sharding: str, *, lr: float, betas: tuple[float, float],
-                    weight_decay: float) -> torch.optim.Optimizer:
+                    weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters, sharded as asked.
 
     Args:
         model: the bare model.
         sharding: "none", "zero1" or "torch".
         lr, betas, weight_decay: AdamW's hyperparameters.
+        fused: AdamW's fused kernels (one launch per step for all its tensors; CUDA).
     """
     groups = param_groups(model, weight_decay)
-    kwargs = dict(lr=lr, betas=betas, eps=1e-8)
+    kwargs: dict[str, Any] = dict(lr=lr, betas=betas, eps=1e-8)
+    if fused:
+        kwargs["fused"] = True
     if sharding == "none":
         return torch.optim.AdamW(groups, **kwargs)
     if sharding == "zero1":
@@ -112,6 +115,13 @@ def build_optimizer(model: nn.Module, sharding: str, *, lr: float, betas: tuple[
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
     raise ValueError(f"unknown sharding {sharding!r}")
+
+
+def fused_adamw_available(device: torch.device) -> bool:
+    """Whether the trainer steps AdamW with its fused kernels on ``device``: on CUDA. The
+    CPU has them too (torch >= 2.4), but CPU runs are tests and demos, which keep the
+    default arithmetic their oracles use."""
+    return device.type == "cuda"
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, rank: int) -> dict | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -108,6 +107,8 @@ class RunReporter:
         self.history.append(record)
         info = (f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  "
                 f"{record['tokens_per_s']:,.0f} tok/s")
+        if record.get("mfu") is not None:
+            info += f"  MFU {record['mfu']:.1%}"
         if "val_loss" in record:
             self.print(f"step {record['step']:>6}  val loss {record['val_loss']:.4f}  "
                        f"ppl {record['val_ppl']:.2f}")
@@ -174,6 +175,11 @@ class RunReporter:
         table.add_row("steps", f"{summary['steps']} ({summary['tokens']:,} tokens)")
         table.add_row("wall time", f"{summary['train_seconds']:.1f} s training "
                                    f"({summary['tokens_per_s']:,.0f} tokens/s)")
+        if summary.get("mfu") is not None:
+            table.add_row("MFU", f"{summary['mfu']:.1%} of {summary['mfu_peak']} "
+                                 f"({summary['step_tokens_per_s']:,.0f} tokens/s in steps)")
+        elif "mfu" in summary:
+            table.add_row("MFU", "not reported (no known bf16 peak for this device)")
         table.add_row("setup", summary["setup"])
         for name, path in outputs.items():
             table.add_row(name, path)
@@ -187,14 +193,3 @@ def ratio_text(ratio: float) -> str:
     where = "below" if ratio < 1 else "above"
     return f"{ratio:.3f} ({abs(1 - ratio) * 100:.1f}% {where} the unigram entropy)"
 
-
-class StepTimer:
-    """Tokens per second over the last step."""
-
-    def __init__(self) -> None:
-        self.last = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        return elapsed

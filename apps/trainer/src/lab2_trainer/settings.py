@@ -36,6 +36,9 @@ class TrainSettings:
         clip: gradient-norm clip (0 turns it off).
         precision: "fp32", "bf16" or "fp16" autocast.
         compile: wrap the model in ``torch.compile``.
+        compile_backend: ``torch.compile``'s backend ("inductor"; "aot_eager" compiles in
+            seconds and needs no C compiler).
+        compile_mode: ``torch.compile``'s mode (None, "max-autotune", ...).
         ddp: gradient averaging: minddp's "bucketed", "individual", "flat", "naive";
             PyTorch's "torch" (DistributedDataParallel); "none" (one rank only).
         bucket_mb: bucket size for "bucketed" and "torch".
@@ -69,6 +72,8 @@ class TrainSettings:
     clip: float = 1.0
     precision: str = "fp32"
     compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
     ddp: str = "bucketed"
     bucket_mb: float = 25.0
     sharding: str = "zero1"

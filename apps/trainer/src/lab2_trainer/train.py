@@ -6,6 +6,12 @@ the last; gradient averaging; clipping of the averaged gradients (every rank hol
 of them, so a plain global norm is right even with a sharded optimizer); the optimizer
 step. Each rank's loss is the mean over its equal slice, and the averaging across ranks
 then gives the mean over the global batch: the same as one process on the whole batch.
+
+Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
+fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
+and the next batch is drawn and copied asynchronously while the current step runs
+(:mod:`lab2_trainer.prefetch`). Per-step records are written at those fetches; their
+``step_seconds`` is the mean of the steps since the previous fetch.
 """
 
 from __future__ import annotations
@@ -31,20 +37,23 @@ from lab2_trainer.checkpoint import (
 from lab2_trainer.data import BatchSampler, check_batch_layout, load_corpus, unigram_entropy
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.errors import UsageError
+from lab2_trainer.mfu import (
+    device_label,
+    device_peak,
+    matmul_parameters,
+    mfu,
+    training_flops_per_token,
+)
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import (
     GradSync,
     build_optimizer,
     full_optimizer_state,
+    fused_adamw_available,
     load_full_optimizer_state,
 )
-from lab2_trainer.report import (
-    SAMPLE_NAME,
-    RunReporter,
-    StepTimer,
-    bytes_as_text,
-    write_text_atomic,
-)
+from lab2_trainer.prefetch import Prefetcher
+from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, write_text_atomic
 from lab2_trainer.schedule import WarmupCosine, set_lr
 from lab2_trainer.settings import TrainSettings
 
@@ -67,6 +76,22 @@ def all_mean(value: torch.Tensor) -> float:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return float(value.item())
+
+
+def fetch_step_values(losses: list[torch.Tensor], norms: list[torch.Tensor]
+                      ) -> tuple[list[float], list[float]]:
+    """Bring several steps' losses (averaged over ranks) and gradient norms to the host.
+
+    One all-reduce and one device-to-host copy for all of them: the only synchronisation
+    of the steps in between. A collective: every rank calls it at the same steps.
+    """
+    loss = torch.stack([x.detach().float().reshape(()) for x in losses])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    norm = torch.stack([x.detach().float().reshape(()) for x in norms]).to(loss.device)
+    values = torch.cat([loss, norm]).tolist()
+    return values[: len(losses)], values[len(losses):]
 
 
 @torch.no_grad()
@@ -109,12 +134,16 @@ class Trainer:
             except RuntimeError as exc:
                 reason = str(exc).splitlines()[0]
                 raise UsageError(f"checkpoint model does not fit: {reason}") from None
-        forward_module = torch.compile(self.model) if s.compile else self.model
+        forward_module = self.model
+        if s.compile:
+            forward_module = torch.compile(self.model, backend=s.compile_backend,
+                                           mode=s.compile_mode)
         self.sync = GradSync(self.model, forward_module, s.ddp, s.bucket_mb, ctx.device)
         # Evaluation and sampling skip the DDP wrapper: no gradients, nothing to average.
         self.eval_module = forward_module
         self.optimizer = build_optimizer(self.model, s.sharding, lr=s.lr, betas=(s.beta1, s.beta2),
-                                         weight_decay=s.weight_decay)
+                                         weight_decay=s.weight_decay,
+                                         fused=fused_adamw_available(ctx.device))
         self.schedule = WarmupCosine(s.lr, s.min_lr, s.warmup, s.steps)
         T = s.model.context_length
         self.sampler = BatchSampler(self.corpus.train, T, s.batch_size, s.seed)
@@ -125,6 +154,11 @@ class Trainer:
         self.step = 0
         if ckpt is not None:
             self._restore(ckpt)
+        # After the restore, so it starts from the checkpoint's position in the stream.
+        self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
+                                  ctx.device)
+        self.flops_per_token = training_flops_per_token(s.model, matmul_parameters(self.model))
+        self.peak = device_peak(ctx.device)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
@@ -150,7 +184,7 @@ class Trainer:
                 "schedule": self.schedule.state_dict(),
                 "step": self.step,
                 "settings": self.s.to_dict(),
-                "sampler": self.sampler.state_dict(),
+                "sampler": self.batches.state_dict(),
                 "data": self.corpus.identity(),
                 "rng": rng_state(self.ctx.device),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -158,12 +192,13 @@ class Trainer:
             }, path)
         self.ctx.barrier()
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step; returns (global mean loss, gradient norm before clipping)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (this rank's mean loss, gradient norm before
+        clipping) as tensors on the device, so that nothing here waits for the GPU."""
         s, ctx = self.s, self.ctx
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
-        micro_batches = self.sampler.next_local(ctx.rank, ctx.world_size, s.grad_accum, ctx.device)
+        micro_batches = self.batches.next()
         loss_sum = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -187,8 +222,10 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # The GPU has this step's work queued: draw and send the next batch meanwhile.
+        self.batches.prefetch()
         self.step += 1
-        return all_mean(loss_sum / s.grad_accum), float(grad_norm)
+        return loss_sum / s.grad_accum, grad_norm
 
     def run(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
@@ -213,29 +250,39 @@ class Trainer:
                 reporter.print(self.describe(entropy))
         tokens_per_step = s.batch_size * s.model.context_length
         start_step = self.step
-        timer = StepTimer()
         t0 = time.perf_counter()
         val_loss = None
         end = s.steps if stop_at is None else min(stop_at, s.steps)
+        pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
+        windows: list[tuple[int, float]] = []  # (steps, seconds) between fetches
+        window_start = time.perf_counter()
         try:
             while self.step < end:
                 loss, grad_norm = self.train_step()
-                dt = timer.lap()
-                record = {"step": self.step, "loss": loss, "lr": self.schedule(self.step - 1),
-                          "grad_norm": grad_norm, "tokens": self.step * tokens_per_step,
-                          "step_seconds": dt, "tokens_per_s": tokens_per_step / dt}
+                pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
-                if done or (s.eval_every and self.step % s.eval_every == 0):
+                evaluate_now = done or bool(s.eval_every and self.step % s.eval_every == 0)
+                checkpoint_now = done or bool(s.ckpt_every and self.step % s.ckpt_every == 0)
+                if not (evaluate_now or checkpoint_now or self.step % s.log_every == 0):
+                    continue
+                records = self._fetch_records(pending, window_start)
+                windows.append((len(pending), time.perf_counter() - window_start))
+                pending = []
+                for record in records:
+                    if not math.isfinite(record["loss"]) and self.scaler is None:
+                        raise RuntimeError(f"loss became {record['loss']} at step "
+                                           f"{record['step']}; lower --lr")
+                if evaluate_now:
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
-                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
-                    timer.lap()  # evaluation time is not training throughput
-                if not math.isfinite(loss) and self.scaler is None:
-                    raise RuntimeError(f"loss became {loss} at step {self.step}; lower --lr")
+                    records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
                 if reporter is not None:
-                    reporter.step(record)
-                if done or (s.ckpt_every and self.step % s.ckpt_every == 0):
+                    for record in records:
+                        reporter.step(record)
+                if checkpoint_now:
                     self.save_checkpoint(ckpt_path)
+                # Evaluation and checkpoints are not training throughput.
+                window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
                 val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                     s.precision)
@@ -253,6 +300,7 @@ class Trainer:
             "tokens": self.step * tokens_per_step,
             "train_seconds": train_seconds,
             "tokens_per_s": trained * tokens_per_step / max(train_seconds, 1e-9),
+            **self.throughput(windows),
             "setup": self.setup_line(),
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
@@ -276,6 +324,52 @@ class Trainer:
         ctx.barrier()
         return summary
 
+    def _fetch_records(self, pending: list[tuple[int, float, torch.Tensor, torch.Tensor]],
+                       since: float) -> list[dict[str, Any]]:
+        """The metrics records of the steps in ``pending`` (a collective: see
+        :func:`fetch_step_values`); time per step is their mean since ``since``."""
+        losses, norms = fetch_step_values([p[2] for p in pending], [p[3] for p in pending])
+        seconds = (time.perf_counter() - since) / len(pending)
+        tokens_per_step = self.s.batch_size * self.s.model.context_length
+        tokens_per_s = tokens_per_step / seconds
+        utilisation = mfu(tokens_per_s, self.flops_per_token, self.peak, self.ctx.world_size)
+        records = []
+        for (step, lr, _, _), loss, norm in zip(pending, losses, norms):
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                      "tokens": step * tokens_per_step, "step_seconds": seconds,
+                      "tokens_per_s": tokens_per_s}
+            if utilisation is not None:
+                record["mfu"] = utilisation
+            records.append(record)
+        return records
+
+    def throughput(self, windows: list[tuple[int, float]]) -> dict[str, Any]:
+        """Training throughput and MFU for the summary, from the timed windows between
+        fetches; the first window (compilation, warm-up) is left out when there are others.
+        Evaluation and checkpoints are never in a window."""
+        steady = windows[1:] or windows
+        steps = sum(n for n, _ in steady)
+        seconds = sum(t for _, t in steady)
+        tokens_per_s = None
+        if steps and seconds > 0:
+            tokens_per_s = steps * self.s.batch_size * self.s.model.context_length / seconds
+        utilisation = None
+        if tokens_per_s is not None:
+            utilisation = mfu(tokens_per_s, self.flops_per_token, self.peak, self.ctx.world_size)
+        return {
+            "step_tokens_per_s": tokens_per_s,
+            "mfu": utilisation,
+            "mfu_peak": self.peak_line(),
+            "flops_per_token": self.flops_per_token,
+        }
+
+    def peak_line(self) -> str | None:
+        """The peak MFU is measured against, in words (None without one)."""
+        if self.peak is None:
+            return None
+        per_rank = f" per rank x {self.ctx.world_size}" if self.ctx.world_size > 1 else ""
+        return f"{self.peak.name}, {self.peak.flops / 1e12:,.0f} TFLOP/s{per_rank}"
+
     def setup_line(self) -> str:
         """One line naming the run's parallel setup."""
         s, ctx = self.s, self.ctx
@@ -283,16 +377,26 @@ class Trainer:
                "individual": "minddp.DDPIndividualParameters",
                "flat": "minddp.all_reduce_gradients(flat)", "naive": "minddp.all_reduce_gradients",
                "torch": "torch DistributedDataParallel", "none": "no DDP"}[s.ddp]
-        opt = {"none": "AdamW", "zero1": "zero1.ShardedOptimizer(AdamW)",
-               "torch": "ZeroRedundancyOptimizer(AdamW)"}[s.sharding]
+        adamw = "AdamW(fused)" if fused_adamw_available(ctx.device) else "AdamW"
+        opt = {"none": adamw, "zero1": f"zero1.ShardedOptimizer({adamw})",
+               "torch": f"ZeroRedundancyOptimizer({adamw})"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
         return (f"{ctx.world_size} rank(s), {backend}, {ctx.device.type}, {ddp}, {opt}, "
-                f"norm={s.model.norm}, {s.precision}{', compiled' if s.compile else ''}")
+                f"norm={s.model.norm}, {s.precision}{self._compile_label()}")
+
+    def _compile_label(self) -> str:
+        s = self.s
+        if not s.compile:
+            return ""
+        mode = f", {s.compile_mode}" if s.compile_mode else ""
+        return f", compiled ({s.compile_backend}{mode})"
 
     def describe(self, entropy: float) -> str:
         """The opening lines: model, data, batch and parallel setup."""
         s, c = self.s, self.corpus
         m = s.model
+        peak = self.peak_line() or (f"no known bf16 peak for {device_label(self.ctx.device)} "
+                                    "(not reported)")
         return (
             f"[bold]lab2-train[/bold]: {self.model.num_parameters():,} parameters "
             f"(d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, "
@@ -303,6 +407,7 @@ class Trainer:
             f"({s.batch_size // self.ctx.world_size // s.grad_accum} per rank per micro-step, "
             f"grad_accum {s.grad_accum}), {s.steps} steps, lr {s.lr:g} -> {s.min_lr:g}\n"
             f"setup: {self.setup_line()}\n"
+            f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token against {peak}\n"
             f"out: {s.out}"
             + (f" (resumed at step {self.step})" if self.step else "")
         )

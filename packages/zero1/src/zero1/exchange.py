@@ -28,13 +28,18 @@ import torch
 import torch.distributed as dist
 
 
+def _pointers(params: list[torch.Tensor]) -> list[int]:
+    return list(map(torch.Tensor.data_ptr, params))
+
+
 @dataclass
 class _Bucket:
     """The segments of one (device, dtype): for each rank owning some, a flat buffer."""
 
     dtype: torch.dtype
     segments: list[tuple[int, torch.Tensor]]  # (global source rank, contiguous slice)
-    bound: list[tuple[torch.Tensor, int]]  # (parameter, data_ptr it must keep)
+    params: list[torch.Tensor]  # every parameter bound into the segments
+    pointers: list[int]  # the data_ptr each must keep
 
 
 class ParameterExchange:
@@ -82,7 +87,7 @@ class ParameterExchange:
         self._buckets = []
         for (device, dtype), per_rank in by_key.items():
             segments: list[tuple[int, torch.Tensor]] = []
-            bound: list[tuple[torch.Tensor, int]] = []
+            bound: list[torch.Tensor] = []
             for rank, params in enumerate(per_rank):
                 total = sum(p.numel() for p in params)
                 if total == 0:
@@ -93,22 +98,24 @@ class ParameterExchange:
                     view = segment[offset : offset + p.numel()].view(p.shape)
                     view.copy_(p.data)
                     p.data = view  # the old storage goes as soon as nothing else holds it
-                    bound.append((p, p.data_ptr()))
+                    bound.append(p)
                     offset += p.numel()
                 segments.append((self._global_ranks[rank], segment))
-            self._buckets.append(_Bucket(dtype, segments, bound))
+            self._buckets.append(_Bucket(dtype, segments, bound, _pointers(bound)))
 
     def ensure_bound(self) -> bool:
         """Rebuild the buffers if a parameter was rebound elsewhere; True if rebuilt.
 
         Only local work (an allocation and a copy); since the layout depends on the
-        parameters alone, every rank rebuilds the same one.
+        parameters alone, every rank rebuilds the same one. The check runs every step,
+        so it is one comparison of pointer lists built in C (``map``), not a Python loop;
+        a parameter converted to another dtype or device got new storage, so its pointer
+        tells that too (the old segment is alive, so its address cannot be reused).
         """
         for bucket in self._buckets:
-            for p, ptr in bucket.bound:
-                if p.data_ptr() != ptr or p.dtype != bucket.dtype:
-                    self._bind()
-                    return True
+            if _pointers(bucket.params) != bucket.pointers:
+                self._bind()
+                return True
         return False
 
     @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,40 @@ from .process_group import check_same_on_every_rank, resolve_group
 def _size(p: torch.Tensor) -> int:
     """Partition weight: bytes, since state tensors usually take the parameter's dtype."""
     return p.numel() * p.element_size()
+
+
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "differentiable")
+
+
+def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Implementation options the local optimizer's groups get on top of the user's.
+
+    ``foreach=True`` when the class takes it and the user chose no implementation
+    (``foreach``, ``fused``) and no ``differentiable`` step: PyTorch's own default picks
+    foreach kernels on CUDA only, which leaves a Python loop over parameters on the CPU.
+    The result is the same arithmetic; only the loop goes. A group that names one of
+    these options itself gets nothing (see :func:`_choices_for`).
+
+    Returns:
+        ``{option: value}`` for the local optimizer (empty when nothing is chosen).
+    """
+    try:
+        accepted = inspect.signature(optimizer_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "foreach" not in accepted:
+        return {}
+    if any(defaults.get(k) for k in _IMPLEMENTATION_KEYS) or defaults.get("foreach") is not None:
+        return {}
+    return {"foreach": True}
+
+
+def _choices_for(group: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any]:
+    """``choices`` for one group, unless the group picks an implementation itself (a
+    ``foreach`` that is not None, ``fused`` or ``differentiable``)."""
+    if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
+        return {}
+    return choices
 
 
 class ShardedOptimizer(Optimizer):
@@ -87,16 +122,22 @@ class ShardedOptimizer(Optimizer):
         self._owners: list[list[int]] = []  # per group, the owning rank of each parameter
         local_groups = []
         for group in groups:
-            owners = self._partition(group["params"])
-            self._owners.append(owners)
-            local_groups.append({**hyperparameters(group), "params": self._mine(group, owners)})
+            self._owners.append(self._partition(group["params"]))
+        # Options we choose for the local optimizer's groups stay out of our own groups and
+        # state dicts, which keep what a plain optimizer with the user's arguments shows.
+        self._local_choices = _local_choices(optimizer_cls, defaults)
+        self._public_values = {k: defaults.get(k) for k in self._local_choices}
+        for group, owners in zip(groups, self._owners):
+            local_groups.append({**hyperparameters(group),
+                                 **_choices_for(group, self._local_choices),
+                                 "params": self._mine(group, owners)})
         # An optimizer accepts empty groups, so a rank owning nothing still keeps one
         # local group per global group and the two lists stay aligned.
         self._local = optimizer_cls(local_groups, **defaults)
 
         # Our groups take the local optimizer's filled-in hyperparameters, so both agree.
         full_groups = [
-            {**hyperparameters(local), "params": group["params"]}
+            {**self._public(local, group), "params": group["params"]}
             for local, group in zip(self._local.param_groups, groups)
         ]
         self._constructing = True
@@ -179,25 +220,41 @@ class ShardedOptimizer(Optimizer):
         loads_before = self._loads
         owners = self._partition(group["params"])
         try:
-            self._local.add_param_group(
-                {**hyperparameters(group), "params": self._mine(group, owners)}
-            )
+            self._local.add_param_group({**hyperparameters(group),
+                                         **_choices_for(group, self._local_choices),
+                                         "params": self._mine(group, owners)})
         except BaseException:
             self._loads = loads_before
             raise
         local = self._local.param_groups[-1]
-        super().add_param_group({**hyperparameters(local), "params": group["params"]})
+        super().add_param_group({**self._public(local, group), "params": group["params"]})
         self._owners.append(owners)
         self._consolidated_state = None
         self._rebuild_exchange()
 
     # ------------------------------------------------------------------ stepping
+    def _public(self, local_group: dict[str, Any], user_group: dict[str, Any]) -> dict[str, Any]:
+        """A local group's hyperparameters with our implementation choices undone: an
+        option the user's group names keeps that value, others show the user's default."""
+        out = hyperparameters(local_group)
+        for key, default in self._public_values.items():
+            out[key] = user_group.get(key, default)
+        return out
+
     def _push_hyperparameters(self) -> None:
-        """Copy hyperparameters from our groups (where schedulers edit them) to the shard."""
+        """Copy hyperparameters from our groups (where schedulers edit them) to the shard.
+
+        An option we chose for the shard keeps our value while the group shows the
+        user's default, and follows the group once it is edited (``group["foreach"] =
+        False``).
+        """
+        public = self._public_values
         for group, local in zip(self.param_groups, self._local.param_groups):
+            chosen = _choices_for(group, self._local_choices)
             for key, value in group.items():
-                if key not in PARAM_KEYS:
-                    local[key] = value
+                if key in PARAM_KEYS:
+                    continue
+                local[key] = chosen[key] if key in chosen and value == public[key] else value
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then give every rank the updated parameters.

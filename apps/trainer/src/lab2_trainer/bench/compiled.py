@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from lab2_trainer.bench.e2e import measure_preset
+from lab2_trainer.bench.e2e import measure_preset, mfu_note
 from lab2_trainer.bench.precision import add_speedups
 from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES
@@ -14,7 +14,7 @@ from lab2_trainer.bench.steps import MODES
 NAME = "compile"
 HELP = "eager vs torch.compile: forward, forward+backward and training step"
 COLUMNS = ["preset", "mode", "compiled", "backend", "mean_ms", "std_ms", "speedup_vs_eager",
-           "tokens_per_s"]
+           "tokens_per_s", "mfu"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,3 +46,4 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     add_speedups(out, key="compiled", baseline="eager")
     out.table(COLUMNS, title=f"compile: batch {args.batch_size} x context {args.context_length}, "
                              f"{args.device}, {args.precision}")
+    out.note(mfu_note(args.device))

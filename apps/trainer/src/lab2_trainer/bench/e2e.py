@@ -1,7 +1,9 @@
 """Suite ``e2e``: forward and forward+backward time per preset (the handout's table).
 
 One model per preset on one device, random token batches; warm-up steps are left out and
-the figures are the mean and standard deviation over the timed steps.
+the figures are the mean and standard deviation over the timed steps. ``mfu`` is model FLOPs
+utilisation against the device's dense bf16 peak (``lab2_trainer.mfu``; a forward counts a
+third of a training step's FLOPs), empty on the CPU and on GPUs without a known peak.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ from lab2_trainer.bench.workload import (
     random_batch,
 )
 from lab2_trainer.config import ModelConfig
+from lab2_trainer.mfu import (
+    device_label,
+    device_peak,
+    matmul_parameters,
+    mfu,
+    training_flops_per_token,
+)
 
 NAME = "e2e"
 HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"
-COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s"]
+COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s", "mfu"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +49,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                        modes=args.modes)
     out.table(COLUMNS, title=f"e2e: batch {args.batch_size} x context {args.context_length}, "
                              f"{args.device}, {args.warmup} warm-up + {args.steps} timed steps")
+    out.note(mfu_note(args.device))
     out.plot("time", x="params_M", y="mean_ms", series="mode")
 
 
@@ -52,31 +62,36 @@ def measure_preset(args: argparse.Namespace, out: SuiteOutput, preset: str, *, n
         wrap: optional function applied to the built model (e.g. ``torch.compile``).
         extra: more configuration fields for the rows (e.g. the compile backend).
     """
-    config, params, stats = time_preset(args, preset, norm=norm, precision=precision,
-                                        modes=modes, wrap=wrap)
+    config, params, stats, train_flops = time_preset(args, preset, norm=norm,
+                                                     precision=precision, modes=modes, wrap=wrap)
     tokens = args.batch_size * args.context_length
+    peak = device_peak(args.device)
     for mode, st in stats.items():
-        out.add(row_config(args, preset, params, config.norm, precision, mode, extra),
-                stats_metrics(st, tokens))
+        metrics = stats_metrics(st, tokens)
+        flops = train_flops / 3 if mode == "forward" else train_flops
+        metrics["mfu"] = mfu(metrics["tokens_per_s"], flops, peak)
+        out.add(row_config(args, preset, params, config.norm, precision, mode, extra), metrics)
 
 
 def time_preset(args: argparse.Namespace, preset: str, *, norm: str | None, precision: str,
-                modes: list[str], wrap=None) -> tuple[ModelConfig, int, dict[str, Any]]:
+                modes: list[str], wrap=None) -> tuple[ModelConfig, int, dict[str, Any], float]:
     """Build the preset's model, time ``modes`` and free it.
 
-    Returns the model's configuration, its parameter count and ``{mode: Stats}``.
+    Returns the model's configuration, its parameter count, ``{mode: Stats}`` and the
+    training FLOPs per token (for MFU).
     """
     config = build_config(preset, context_length=args.context_length,
                           vocab_size=args.vocab_size, norm=norm, overrides=args.overrides)
     model = build_model(config, args.device, seed=args.seed)
     params = count_parameters(model)
+    train_flops = training_flops_per_token(config, matmul_parameters(model))
     timed = wrap(model) if wrap is not None else model
     batch = random_batch(config, args.batch_size, args.device, seed=args.seed)
     stats = time_modes(timed, batch, modes=modes, precision=precision,
                        device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps)
     del model, timed, batch
     free_memory(args.device)
-    return config, params, stats
+    return config, params, stats, train_flops
 
 
 def row_config(args: argparse.Namespace, preset: str, params: int, norm: str, precision: str,
@@ -86,3 +101,12 @@ def row_config(args: argparse.Namespace, preset: str, params: int, norm: str, pr
             "precision": precision, "mode": mode, "batch_size": args.batch_size,
             "context_length": args.context_length, "device": args.device,
             "warmup": args.warmup, "steps": args.steps, **(extra or {})}
+
+
+def mfu_note(device: str) -> str:
+    """The line under a table that says what ``mfu`` is measured against."""
+    peak = device_peak(device)
+    if peak is None:
+        return (f"mfu: not reported (no known dense bf16 peak for {device_label(device)}).")
+    return (f"mfu: model FLOPs (6N + 12·layers·d_model·context per token; a forward a third) "
+            f"over {peak.name}, {peak.flops / 1e12:,.0f} TFLOP/s per device.")

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         for rnd in range(args.rounds):
             shift = rnd % len(norms)
             for norm in norms[shift:] + norms[:shift]:
-                config, params, stats = time_preset(args, preset, norm=norm,
+                config, params, stats, _ = time_preset(args, preset, norm=norm,
                                                     precision=args.precision, modes=args.modes)
                 built[norm] = (config.norm, params)
                 for mode, st in stats.items():

@@ -7,6 +7,12 @@
 Both models start from the same weights (norm weights are ones in all three norms). Run on
 2 Gloo ranks on the CPU (``--world-size 2``) and on one GPU in bf16 (``--device cuda
 --world-size 1 --precision bf16``).
+
+Both stacks step AdamW with its fused kernels on CUDA (as the trainer does). With
+``--compile`` both models are compiled the same way, as the trainer compiles: the bare
+model goes through ``torch.compile`` and the DDP wrapper wraps the compiled module, so the
+wrappers' gradient hooks run after the compiled backward's gradients arrive. ``mfu`` is the
+model FLOPs utilisation per GPU (``lab2_trainer.mfu``), empty where no peak is known.
 """
 
 from __future__ import annotations
@@ -30,21 +36,29 @@ from lab2_trainer.bench.distributed import (
     rank_spec,
     summarize,
 )
+from lab2_trainer.bench.e2e import mfu_note
 from lab2_trainer.bench.report import SuiteOutput
+from lab2_trainer.mfu import device_peak, matmul_parameters, mfu, training_flops_per_token
 
 NAME = "stack"
 HELP = ("tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs DistributedDataParallel + "
         "ZeroRedundancyOptimizer + torch RMSNorm")
 KINDS = ("ours", "pytorch")
 LR, WEIGHT_DECAY = 1e-4, 0.1
-COLUMNS = ["preset", "variant", "norm", "world_size", "precision", "step_ms", "step_std_ms",
-           "tokens_per_s", "ratio_to_pytorch"]
+COLUMNS = ["preset", "variant", "norm", "world_size", "precision", "compiled", "step_ms",
+           "step_std_ms", "tokens_per_s", "mfu", "ratio_to_pytorch"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rank_arguments(parser)
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="DDPBucketed's bucket size (default 25, PyTorch DDP's default)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile both models (the same way) before wrapping them")
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile backend (default inductor; aot_eager with --quick)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode (e.g. max-autotune)")
 
 
 def pytorch_norm() -> str:
@@ -55,8 +69,16 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     if args.norm is not None:
         raise SystemExit("lab2-train bench stack: the norms are part of each stack; "
                          "drop --norm")
+    compile_spec = None
+    if args.compile:
+        compile_spec = {"backend": args.backend or ("aot_eager" if args.quick else "inductor"),
+                        "mode": args.compile_mode}
+        # Compilation happens in the first calls: keep at least two of them untimed.
+        args.warmup = max(args.warmup, 2)
+    peak = device_peak(args.device)
     for preset in args.presets:
-        spec = rank_spec(args, preset, list(KINDS), bucket_mb=args.bucket_mb)
+        spec = rank_spec(args, preset, list(KINDS), bucket_mb=args.bucket_mb,
+                         compile=compile_spec)
         per_rank = launch(stack_rank, args, spec)
         summary = {n: summarize(per_rank, n) for n in KINDS}
         tokens = args.world_size * args.batch_size * args.context_length
@@ -69,41 +91,66 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                     "world_size": args.world_size, "device": args.device,
                     "precision": args.precision, "batch_size": args.batch_size,
                     "context_length": args.context_length, "steps": args.steps,
-                    "rounds": args.rounds, "bucket_mb": args.bucket_mb}
-            out.add(conf, {**s, "tokens_per_s": tps, "ratio_to_pytorch": tps / ref})
+                    "rounds": args.rounds, "bucket_mb": args.bucket_mb,
+                    "compiled": compile_label(compile_spec)}
+            util = mfu(tps, per_rank[0]["flops_per_token"], peak, devices=args.world_size)
+            out.add(conf, {**s, "tokens_per_s": tps, "mfu": util, "ratio_to_pytorch": tps / ref})
     out.table(COLUMNS, title=f"stack: {args.world_size} ranks, {args.device}, batch "
                              f"{args.batch_size}/rank x context {args.context_length}")
+    out.note(mfu_note(args.device))
+
+
+def compile_label(compile_spec: dict | None) -> str:
+    """How the models were compiled, for the table: "no", or the backend (and mode)."""
+    if compile_spec is None:
+        return "no"
+    mode = f", {compile_spec['mode']}" if compile_spec["mode"] else ""
+    return f"{compile_spec['backend']}{mode}"
 
 
 def build_variant(name: str, bases: dict[str, nn.Module], device: torch.device,
                   spec: RankSpec) -> Variant:
     model = fresh_copy(bases[name], device)
+    forward: nn.Module = model
+    compile_spec = spec.extra.get("compile")
+    if compile_spec is not None:
+        forward = torch.compile(model, backend=compile_spec["backend"], mode=compile_spec["mode"])
+    adamw = dict(lr=LR, weight_decay=WEIGHT_DECAY)
+    if device.type == "cuda":
+        adamw["fused"] = True
     if name == "ours":
         from minddp import DDPBucketed
         from zero1 import ShardedOptimizer
 
-        wrapper = DDPBucketed(model, bucket_size_mb=spec.extra["bucket_mb"])
-        optimizer = ShardedOptimizer(list(model.parameters()), torch.optim.AdamW, lr=LR,
-                                     weight_decay=WEIGHT_DECAY)
+        wrapper = DDPBucketed(forward, bucket_size_mb=spec.extra["bucket_mb"])
+        optimizer = ShardedOptimizer(list(model.parameters()), torch.optim.AdamW, **adamw)
         return Variant(model, wrapper, optimizer, sync=wrapper.finish_gradient_synchronization)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    wrapper = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=spec.extra["bucket_mb"])
+    wrapper = DistributedDataParallel(forward, device_ids=ids,
+                                      bucket_cap_mb=spec.extra["bucket_mb"])
     optimizer = ZeroRedundancyOptimizer(list(model.parameters()),
-                                        optimizer_class=torch.optim.AdamW, lr=LR,
-                                        weight_decay=WEIGHT_DECAY)
+                                        optimizer_class=torch.optim.AdamW, **adamw)
     return Variant(model, wrapper, optimizer)
 
 
 def stack_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
     """One rank of the ``stack`` suite."""
     device = rank_device()
+    if spec.extra.get("compile") is not None:
+        import torch._dynamo
+
+        # Every round compiles fresh copies of two models; do not let the default cache
+        # limit (8 entries per code object) send later rounds back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     bases = {"ours": base_model(spec, norm="tritonnorm"),
              "pytorch": base_model(spec, norm=pytorch_norm())}
     batches = rank_batches(bases["ours"], spec, rank, device)
     results = measure_variants(rank, spec, lambda n: build_variant(n, bases, device, spec),
                                lambda n: batches)
     results["params"] = sum(p.numel() for p in bases["ours"].parameters())
+    results["flops_per_token"] = training_flops_per_token(bases["ours"].config,
+                                                          matmul_parameters(bases["ours"]))
     return results
