@@ -63,16 +63,20 @@ TOP_COLUMNS = ["rank", "op", "calls_per_step", "self_cpu_us", "cpu_us", "self_cp
 def norm_event_names(kind: str, dim: int, eps: float, device: torch.device,
                      precision: str) -> tuple[type[nn.Module], list[str], list[str]]:
     """The norm module's class, and the profiler names of one call's forward (top-level
-    events) and backward (one per autograd node, AccumulateGrad left out), with repeats."""
-    from lab2_trainer.model import make_norm
+    events) and backward (one per autograd node, AccumulateGrad left out), with repeats.
+
+    A call is what the model makes at all but its first norm: the residual add and the
+    norm after it (``add_and_norm``, one fused call with tritonnorm)."""
+    from lab2_trainer.model import add_and_norm, make_norm
 
     module = make_norm(kind, dim, eps).to(device)
     x = torch.randn(2, 4, dim, device=device, requires_grad=True)
+    branch = torch.randn(2, 4, dim, device=device, requires_grad=True)
     with autocast(precision, device):  # warm: first calls may take other paths (compile)
-        module(x)
+        add_and_norm(module, x, branch)
     with (torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof,
           autocast(precision, device)):
-        y = module(x)
+        y = add_and_norm(module, x, branch)[0]
     forward = [e.name for e in prof.events() if e.cpu_parent is None]
     backward = []
     seen: set[int] = set()
