@@ -12,8 +12,10 @@ them alike.
 
 Variants: ``local`` (no wrapper), ``torch:MB`` (DistributedDataParallel, bucket_cap_mb),
 ``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed). The default
-caps: 25 MB (the model fits one bucket) and 0.01 MB (194 parameters in 72 buckets,
-the ratio of the medium GPT preset at 25 MB: 172 parameters in 72 buckets).
+caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
+cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
+buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
+the cap (50 here, 50 for medium). ``bucketed:0.012`` has PyTorch's count (49).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.01", "individual", "bucketed:25",
-                    "bucketed:0.01")
+DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
+                    "bucketed:0.008", "bucketed:0.012")
 
 
 class Block(nn.Module):
@@ -75,6 +77,20 @@ def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]
     return ddp, ddp.finish_gradient_synchronization
 
 
+def collectives_per_step(variant: str, runner: nn.Module) -> int | None:
+    """Collectives the last step launched (PyTorch DDP: its buckets; local: 0)."""
+    if variant == "local":
+        return 0
+    stats = getattr(runner, "last_sync_stats", None)
+    if stats is not None:
+        return stats.launched_in_backward + stats.launched_in_finish
+    reducer = getattr(runner, "reducer", None)
+    try:  # a private call of PyTorch's Reducer: informative only
+        return len(reducer._get_zeros_like_grad_buckets())
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def one_step(model: nn.Module, runner: nn.Module, finish: Callable[[], None],
              x: torch.Tensor) -> tuple[float, ...]:
     """One step without the optimizer. Seconds of the main thread's CPU time for forward,
@@ -93,7 +109,9 @@ def one_step(model: nn.Module, runner: nn.Module, finish: Callable[[], None],
     return c1 - c0, c2 - c1, c3 - c2, t2 - t1
 
 
-def measure(variants: list[str], args: argparse.Namespace) -> dict[str, list[tuple]]:
+def measure(variants: list[str], args: argparse.Namespace
+            ) -> tuple[dict[str, list[list[tuple]]], dict[str, int | None]]:
+    """Per variant, per round, the timings of each step; and collectives per step."""
     base = build_model(args.blocks, args.width)
     x = torch.randn(args.batch, args.width)
     built = {}
@@ -101,34 +119,50 @@ def measure(variants: list[str], args: argparse.Namespace) -> dict[str, list[tup
         model = copy.deepcopy(base)
         runner, finish = wrap(v, model)
         built[v] = (model, runner, finish)
-    samples: dict[str, list[tuple]] = {v: [] for v in variants}
+    samples: dict[str, list[list[tuple]]] = {v: [] for v in variants}
     for rnd in range(args.rounds):
         shift = rnd % len(variants)
         for v in variants[shift:] + variants[:shift]:
             model, runner, finish = built[v]
             for _ in range(args.warmup):
                 one_step(model, runner, finish, x)
-            for _ in range(args.steps):
-                samples[v].append(one_step(model, runner, finish, x))
-    return samples
+            samples[v].append([one_step(model, runner, finish, x) for _ in range(args.steps)])
+    collectives = {v: collectives_per_step(v, built[v][1]) for v in variants}
+    return samples, collectives
 
 
-def report(samples: dict[str, list[tuple]], n_params: int) -> None:
-    med = {v: [statistics.median(s[i] for s in rows) * 1e6 for i in range(4)]
-           for v, rows in samples.items()}
-    local = med["local"][1] + med["local"][2] if "local" in med else None
-    print(f"{n_params} trainable parameters; medians over "
-          f"{len(next(iter(samples.values())))} steps per variant; CPU µs of the main "
-          "thread unless marked wall")
-    print("| variant | forward | backward | finish | backward + finish | × local "
-          "| extra per parameter | backward wall |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | None],
+           n_params: int) -> None:
+    """Medians over all steps; the extra over ``local`` is paired round by round (each
+    round runs all variants back to back), so slow phases of the machine cancel."""
+    med = {v: [statistics.median([s[i] for r in rounds for s in r]) * 1e6 for i in range(4)]
+           for v, rounds in samples.items()}
+
+    def round_totals(v: str) -> list[float]:
+        return [statistics.median([s[1] + s[2] for s in r]) * 1e6 for r in samples[v]]
+
+    local = round_totals("local") if "local" in samples else None
+    rounds = len(next(iter(samples.values())))
+    print(f"{n_params} trainable parameters; {rounds} rounds; CPU µs of the main thread "
+          "(medians) unless marked wall; extra = (backward + finish) - local's, per "
+          "parameter, median of the rounds [quartiles]")
+    print("| variant | collectives | forward | backward | finish | backward + finish "
+          "| × local | extra per parameter | backward wall |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for v, (fwd, bwd, finish, wall) in med.items():
         total = bwd + finish
-        ratio = "" if local is None else f"{total / local:.2f}"
-        extra = "" if local is None else f"{(total - local) / n_params:.1f}"
-        print(f"| {v} | {fwd:.0f} | {bwd:.0f} | {finish:.0f} | {total:.0f} | {ratio} | "
-              f"{extra} | {wall:.0f} |")
+        ratio = extra = ""
+        if local is not None:
+            ratio = f"{statistics.median([t / l for t, l in zip(round_totals(v), local)]):.2f}"
+            diffs = [(t - l) / n_params for t, l in zip(round_totals(v), local)]
+            extra = f"{statistics.median(diffs):.1f}"
+            if len(diffs) >= 4:
+                q1, _, q3 = statistics.quantiles(diffs, n=4)
+                extra += f" [{q1:.1f}, {q3:.1f}]"
+        count = "?" if collectives[v] is None else collectives[v]
+        print(f"| {v} | {count} | {fwd:.0f} | {bwd:.0f} | {finish:.0f} | {total:.0f} | "
+              f"{ratio} | {extra} | {wall:.0f} |")
 
 
 def profile(variant: str, args: argparse.Namespace) -> None:
@@ -153,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", metavar="VARIANT",
                         help="print the torch profiler's table for this variant instead")
@@ -174,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 n = sum(p.numel() > 0 for p in build_model(args.blocks, args.width).parameters())
                 print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "
                       f"{args.threads} thread(s)")
-                report(measure(list(args.variants), args), n)
+                report(*measure(list(args.variants), args), n)
         finally:
             dist.destroy_process_group()
 
