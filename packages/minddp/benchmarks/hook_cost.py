@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     if min(args.blocks, args.width, args.rounds, args.steps) < 1:
         parser.error("--blocks, --width, --rounds and --steps must be positive")
@@ -74,22 +74,27 @@ def main(argv: list[str] | None = None) -> None:
         models[kind] = model
     n = len(list(models["none"].parameters()))
     x = torch.randn(4, args.width)
-    samples: dict[str, list[float]] = {k: [] for k in KINDS}
-    for rnd in range(args.rounds):  # interleaved, rotating order
+    # Interleaved, rotating order; each round's median is compared with the same
+    # round's "none", so slow phases of a shared machine cancel.
+    rounds: dict[str, list[float]] = {k: [] for k in KINDS}
+    for rnd in range(args.rounds):
         order = KINDS[rnd % len(KINDS):] + KINDS[: rnd % len(KINDS)]
         for kind in order:
-            for _ in range(3):
+            for _ in range(2):
                 backward_cpu_seconds(models[kind], x)
-            samples[kind] += [backward_cpu_seconds(models[kind], x) for _ in range(args.steps)]
-    base = statistics.median(samples["none"])
-    print(f"{n} parameters; backward CPU µs of the main thread, medians of "
-          f"{args.rounds * args.steps} backwards")
+            rounds[kind].append(statistics.median(
+                backward_cpu_seconds(models[kind], x) for _ in range(args.steps)))
+    print(f"{n} parameters; backward CPU µs of the main thread (median of round medians); "
+          f"extra = per parameter over 'none' in the same round, median of {args.rounds} "
+          "rounds [quartiles]")
     print("| hook | backward | extra per parameter |")
     print("|---|---:|---:|")
     for kind in KINDS:
-        med = statistics.median(samples[kind])
-        print(f"| {kind} | {med * 1e6:.0f} | {(med - base) / n * 1e6:.2f} |")
-
+        diffs = [(r - base) / n * 1e6 for r, base in zip(rounds[kind], rounds["none"])]
+        q1, med, q3 = statistics.quantiles(diffs, n=4) if len(diffs) >= 4 else [0.0] * 3
+        med = statistics.median(diffs)
+        print(f"| {kind} | {statistics.median(rounds[kind]) * 1e6:.0f} | "
+              f"{med:.2f} [{q1:.2f}, {q3:.2f}] |")
 
 if __name__ == "__main__":
     main()
