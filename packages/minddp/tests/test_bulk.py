@@ -26,8 +26,9 @@ def bulk(request, monkeypatch):
     return _bulk
 
 
-def test_copy_all_copies_every_pair(bulk):
-    destinations, sources = _tensors(1), _tensors(2)
+@pytest.mark.parametrize("count", [1, 4])
+def test_copy_all_copies_every_pair(bulk, count):
+    destinations, sources = _tensors(1)[:count], _tensors(2)[:count]
     bulk.copy_all(destinations, sources)
     for d, s in zip(destinations, sources):
         assert torch.equal(d, s)

@@ -16,7 +16,7 @@ _zero = getattr(torch, "_foreach_zero_", None)
 
 def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``d.copy_(s)`` for every pair (same shapes, dtypes and devices pairwise)."""
-    if _copy is not None:
+    if _copy is not None and len(destinations) > 1:  # one tensor: copy_ has less to check
         _copy(destinations, sources)
         return
     for d, s in zip(destinations, sources):
@@ -25,7 +25,7 @@ def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> N
 
 def zero_all(tensors: list[torch.Tensor]) -> None:
     """``t.zero_()`` for every tensor."""
-    if _zero is not None:
+    if _zero is not None and len(tensors) > 1:
         _zero(tensors)
         return
     for t in tensors:
