@@ -27,7 +27,8 @@ class DataParallelWrapper(nn.Module):
 
     Subclasses set ``self._params`` (the trainable parameters, in registration order),
     implement ``_on_ready(step, index)`` (a parameter's gradient is complete for the
-    first time in this synchronized backward: count it, launch what can go),
+    first time in this synchronized backward: count it, launch what can go), may
+    implement ``_on_local(step, index)`` (the same inside ``no_sync()``),
     ``_check_again(step, index)`` (the same gradient was accumulated again: raise if it
     is already on the wire), ``_learn_order(order)`` and
     ``finish_gradient_synchronization()`` (which ends with ``_end_synchronization``),
@@ -61,10 +62,10 @@ class DataParallelWrapper(nn.Module):
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
         # One post-accumulate-grad hook per parameter: of the ways to learn that a
-        # gradient is complete, the cheapest (benchmarks/hook_cost.py: about 1.3 µs per
+        # gradient is complete, the cheapest (benchmarks/hook_cost.py: about 1.4 µs per
         # parameter with an empty body, where register_multi_grad_hook(mode="all") over
-        # a bucket costs 13-18 µs per parameter, because it installs a Python hook on
-        # every tensor underneath and takes a lock in each).
+        # a bucket costs about 19 µs per parameter: it installs a Python hook on every
+        # tensor underneath, and each takes a lock and fills dictionaries).
         # The hook holds the wrapper weakly: a discarded wrapper must not keep
         # launching collectives from a module the user still trains.
         this = weakref.ref(self)
@@ -92,6 +93,11 @@ class DataParallelWrapper(nn.Module):
             if not self._order_learned:
                 self._observed.append(index)
         if not self._sync_enabled:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    self._on_local(step, index)
+            else:
+                self._on_local(step, index)
             return
         ready = step.ready
         if ready[index]:
@@ -104,6 +110,9 @@ class DataParallelWrapper(nn.Module):
                 self._on_ready(step, index)
         else:
             self._on_ready(step, index)
+
+    def _on_local(self, step: StepState, index: int) -> None:
+        """A gradient accumulated inside ``no_sync()`` (nothing to launch)."""
 
     def _on_ready(self, step: StepState, index: int) -> None:
         raise NotImplementedError

@@ -118,6 +118,10 @@ class DDPBucketed(DataParallelWrapper):
             for index in members:
                 self._bucket_of[index] = b
         self._sizes = [len(members) for members in plan]
+        self._views = [torch.empty(0)] * len(self._params)  # each parameter's bucket view
+        for bucket in self._buckets:
+            for index, view in zip(bucket.members, bucket.views):
+                self._views[index] = view
         self._wired = [bucket for bucket in self._buckets if bucket.wire is not None]
         # Every flag is 1 between steps ("this rank used it"); a bucket launched with
         # unused members writes 0s for them, and the finish call sets all back at once.
@@ -149,13 +153,26 @@ class DDPBucketed(DataParallelWrapper):
     def _bucket_sizes(self) -> list[int]:
         return self._sizes  # StepState.next counts launched buckets
 
+    def _on_local(self, step: StepState, index: int) -> None:
+        # no_sync: move a fresh gradient into its view now, so that the micro-steps
+        # that follow accumulate in place and no second copy of it stays alive.
+        p, view = self._params[index], self._views[index]
+        grad = p.grad
+        if grad is not view:
+            view.copy_(grad)
+            p.grad = view
+
     def _on_ready(self, step: StepState, index: int) -> None:
         b = self._bucket_of[index]
         remaining = step.remaining
         remaining[b] -= 1
-        if remaining[b] == 0 and b == step.next:
-            # Launch this bucket and every full one after it: bucket i never goes out
-            # before bucket i-1, on every rank.
+        if remaining[b] != 0:
+            return
+        # Full: copy its fresh gradients in now (they are not kept alive until a bucket
+        # before it fills), then launch it and every full one after it, if every bucket
+        # before it is out: bucket i never goes out before bucket i-1, on every rank.
+        self._adopt_gradients(step, self._buckets[b])
+        if b == step.next:
             count = len(self._buckets)
             n = b
             while n < count and remaining[n] == 0:
@@ -206,10 +223,10 @@ class DDPBucketed(DataParallelWrapper):
                 zero_all(missing)
 
     def _launch(self, step: StepState, b: int, unused: list[int] | None = None) -> None:
-        """Start bucket ``b``'s averaging. ``unused``: positions in the bucket of the
-        members this rank did not use (their flags become 0; the others are 1)."""
+        """Start bucket ``b``'s averaging; its members' ``.grad`` are its views already.
+        ``unused``: positions in the bucket of the members this rank did not use (their
+        flags become 0; the others are 1)."""
         bucket = self._buckets[b]
-        self._adopt_gradients(step, bucket)
         if unused:
             # Views of the flags, not a tensor built on the host: no host-to-device copy.
             zero_all([bucket.flags[j : j + 1] for j in unused])
@@ -242,8 +259,9 @@ class DDPBucketed(DataParallelWrapper):
         for b in range(step.next, len(self._buckets)):
             # A member may have no gradient this step, or one the user assigned since
             # its hook ran (between no_sync backwards): _launch gives each its view.
-            members = self._buckets[b].members
-            unused = [j for j, index in enumerate(members) if not used[index]]
+            bucket = self._buckets[b]
+            self._adopt_gradients(step, bucket)
+            unused = [j for j, index in enumerate(bucket.members) if not used[index]]
             self._launch(step, b, unused)
             if unused:
                 partly_used.append(b)
