@@ -37,12 +37,16 @@ class DDPBucketed(DataParallelWrapper):
     dtype/device (a larger parameter gets a bucket of its own; None: one bucket).
     Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view into
     it: the all-reduce runs on the buffer in place, and the optimizer reads the
-    averaged gradients there, so nothing is copied out. A gradient autograd creates
-    fresh (``.grad`` was None, as after ``zero_grad(set_to_none=True)``) is copied
-    into its view by the parameter's hook: one read and one write of the gradient,
-    where zeroing the bucket before forward and letting autograd add into it costs
-    four passes (measured: 2 % of a 2.7B step on an H200). Later accumulation into a
-    view (``no_sync`` steps, ``zero_grad(set_to_none=False)``) happens in place.
+    averaged gradients there, so nothing is copied out. Gradients autograd creates
+    fresh (``.grad`` was None, as after ``zero_grad(set_to_none=True)``) are copied
+    into their views when their bucket fills, the whole bucket's in one call: one read
+    and one write per gradient, where zeroing the bucket before forward and letting
+    autograd add into it costs four passes (measured: 2 % of a 2.7B step on an H200).
+    Inside ``no_sync()`` each is copied in by its hook at once. Later accumulation into
+    a view (``no_sync`` micro-steps, ``zero_grad(set_to_none=False)``) happens in place.
+
+    Host time. The per-parameter hook only counts gradients in; copies, flags and the
+    collective are per bucket (see ``benchmarks/host_time.py``).
 
     Ordering guarantee. When the last member of a bucket gets its gradient, the
     bucket's asynchronous averaging all-reduce starts (:mod:`minddp.averaging`), but
