@@ -35,7 +35,7 @@ class DDPIndividualParameters(DataParallelWrapper):
     order. Every rank therefore issues exactly the same sequence.
 
     Unused parameters. A parameter with no gradient on this rank is reduced as
-    zeros. After the reduction one more all-reduce sums per-parameter "used" flags:
+    zeros. After the reduction one more all-reduce averages per-parameter "used" flags:
     a parameter no rank used goes back to ``.grad = None`` (if it was None), as
     single-process training would leave it.
 
@@ -123,7 +123,8 @@ class DDPIndividualParameters(DataParallelWrapper):
             else:  # pageable memory, non_blocking: staged, without waiting for the GPU
                 flags = torch.tensor(step.used, dtype=torch.float32).to(
                     device, non_blocking=True)
-            step.handles.append(dist.all_reduce(flags, group=self.process_group, async_op=True))
+            # Averaged like the gradients: what matters is only whether a flag is 0.
+            step.handles.append(self._averager.start(flags))
         wait = self._wait_for_handles()
         if flags is not None and any(step.zero_filled):
             for index, used_somewhere in enumerate(flags.tolist()):
