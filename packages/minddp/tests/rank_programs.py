@@ -206,6 +206,49 @@ def guards_rank(rank: int, world_size: int) -> dict:
 
 
 
+# ---- where gradients live during backward ----
+def gradient_home_rank(rank: int, world_size: int) -> dict:
+    """Which ``.grad`` tensors are bucket views at three points of a step.
+
+    Records the names of trainable parameters whose gradient is not a view into a
+    bucket: after a no_sync backward, and, in the synchronized backward that follows,
+    when a bucket's last hook has run (probed from a hook registered after the
+    wrapper's, on the bucket's last member) and after the finish call.
+    """
+    torch.set_num_threads(1)
+    model = kit.build_model("mlp", GUARD_SEED)
+    ddp = DDPBucketed(model, kit.few_buckets_mb(model))
+    x, y = kit.make_batches("mlp", GUARD_SEED + rank, 1, 4)[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def outside(params) -> list[str]:
+        storages = {_storage(b.buffer) for b in ddp._buckets}
+        return sorted(names[id(p)] for p in params
+                      if p.grad is not None and _storage(p.grad) not in storages)
+
+    out: dict = {"full_buckets": []}
+    kit.summed_loss("mlp", ddp(x), y).backward()  # the first step learns the order
+    ddp.finish_gradient_synchronization()
+    model.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        kit.summed_loss("mlp", ddp(x), y).backward()
+    out["after_no_sync"] = outside(model.parameters())
+    model.zero_grad(set_to_none=True)  # fresh gradients again for the synced backward
+    for bucket in ddp._buckets:
+        members = bucket.params
+        if any(p is model.unused for p in members):
+            continue  # never fills during backward
+
+        def probe(_p, members=members):
+            out["full_buckets"].append(outside(members))
+
+        members[-1].register_post_accumulate_grad_hook(probe)
+    kit.summed_loss("mlp", ddp(x), y).backward()
+    ddp.finish_gradient_synchronization()
+    out["after_finish"] = outside(model.parameters())
+    return out
+
+
 # ---- property: drawn configurations ----
 PROPERTY_STEPS = 2
 PROPERTY_VARIANTS = ("naive", "flat", "individual", "bucketed")

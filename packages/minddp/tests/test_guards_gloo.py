@@ -57,3 +57,14 @@ def test_a_peer_that_leaves_raises_instead_of_hanging(world_size):
     for rank, got in enumerate(results[:-1]):
         assert got["error"] is not None, f"rank {rank} finished without its peer"
         assert got["seconds"] < 30
+
+
+def test_fresh_gradients_move_into_the_buckets_when_each_fills(world_size):
+    # No second copy of a gradient stays alive: inside no_sync each hook moves its
+    # gradient into the bucket at once; in a synchronized backward, a bucket's fresh
+    # gradients are moved in by the time its last member's hook has run.
+    results = run_ranks(programs.gradient_home_rank, world_size, timeout=120)
+    for rank, got in enumerate(results):
+        assert got["after_no_sync"] == [], (rank, got)
+        assert got["full_buckets"] and all(names == [] for names in got["full_buckets"]), got
+        assert got["after_finish"] == [], (rank, got)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp._group import group_size, require_initialized
+from minddp._step import StepState
 from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
 from minddp.launch_order import agree_on_order
@@ -25,10 +26,20 @@ class DataParallelWrapper(nn.Module):
     """Base class: holds ``.module``, syncs it at construction, owns the hook plumbing.
 
     Subclasses set ``self._params`` (the trainable parameters, in registration order),
-    implement ``_on_grad_ready(index)`` (called by each parameter's post-accumulate-grad
-    hook; it starts with ``_note_gradient``), ``_learn_order(order)`` and
+    implement ``_on_ready(step, index)`` (a parameter's gradient is complete for the
+    first time in this synchronized backward: count it, launch what can go), may
+    implement ``_on_local(step, index)`` (the same inside ``no_sync()``),
+    ``_check_again(step, index)`` (the same gradient was accumulated again: raise if it
+    is already on the wire), ``_learn_order(order)`` and
     ``finish_gradient_synchronization()`` (which ends with ``_end_synchronization``),
-    and may extend ``_reset_step_state()``.
+    and may override ``_bucket_sizes()``. The per-step state is ``self._step``, a
+    :class:`~minddp._step.StepState`.
+
+    Host time: the hook runs once per parameter per backward, on the thread that
+    launches the backward's kernels, so everything it does delays the GPU when steps
+    are host-bound. It does list lookups and stores only; tensor work (copies, flags,
+    collectives) happens once per bucket, or once per parameter for the per-parameter
+    wrapper's collective.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
@@ -50,6 +61,11 @@ class DataParallelWrapper(nn.Module):
         self._observed: list[int] = []  # first-gradient arrival order, until learned
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
+        # One post-accumulate-grad hook per parameter: of the ways to learn that a
+        # gradient is complete, the cheapest (benchmarks/hook_cost.py: about 1.4 µs per
+        # parameter with an empty body, where register_multi_grad_hook(mode="all") over
+        # a bucket costs about 19 µs per parameter: it installs a Python hook on every
+        # tensor underneath, and each takes a lock and fills dictionaries).
         # The hook holds the wrapper weakly: a discarded wrapper must not keep
         # launching collectives from a module the user still trains.
         this = weakref.ref(self)
@@ -69,6 +85,39 @@ class DataParallelWrapper(nn.Module):
         self._hook_handles.clear()
 
     def _on_grad_ready(self, index: int) -> None:
+        """Parameter ``index``'s ``.grad`` was just updated by autograd."""
+        step = self._step
+        used = step.used
+        if not used[index]:
+            used[index] = True
+            if not self._order_learned:
+                self._observed.append(index)
+        if not self._sync_enabled:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    self._on_local(step, index)
+            else:
+                self._on_local(step, index)
+            return
+        ready = step.ready
+        if ready[index]:
+            self._check_again(step, index)  # accumulated twice: fine unless already out
+            return
+        ready[index] = True
+        step.backward_seen = True
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep our copies out
+            with torch.no_grad():
+                self._on_ready(step, index)
+        else:
+            self._on_ready(step, index)
+
+    def _on_local(self, step: StepState, index: int) -> None:
+        """A gradient accumulated inside ``no_sync()`` (nothing to launch)."""
+
+    def _on_ready(self, step: StepState, index: int) -> None:
+        raise NotImplementedError
+
+    def _check_again(self, step: StepState, index: int) -> None:
         raise NotImplementedError
 
     def _learn_order(self, order: list[int]) -> None:
@@ -78,36 +127,27 @@ class DataParallelWrapper(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         raise NotImplementedError
 
+    def _bucket_sizes(self) -> list[int]:
+        """Members per bucket, for ``StepState.remaining`` (none without buckets)."""
+        return []
+
     def _reset_step_state(self) -> None:
-        count = len(self._params)
-        self._used = [False] * count  # a hook fired since the last synchronization
-        self._ready = [False] * count  # a hook fired in the current synchronized backward
-        self._zero_filled = [False] * count  # grad was None; zeros were reduced instead
-        self._handles: list[dist.Work] = []
-        self._next = 0  # collectives [0, _next) of the fixed order are launched
-        self._launched_in_backward = 0
-        self._backward_seen = False
+        self._step = StepState(len(self._params), self._bucket_sizes())
+
+    @property
+    def _handles(self) -> list[dist.Work]:
+        """Work handles of the collectives launched since the last finish call."""
+        return self._step.handles
 
     def _before_forward(self) -> None:
         """Refuse a forward between a synchronized backward and its finish call."""
-        if self._backward_seen and torch.is_grad_enabled():
+        if self._step.backward_seen and torch.is_grad_enabled():
             raise self._unfinished_error()
-
-    def _note_gradient(self, index: int) -> bool:
-        """A hook's common first step; True when the running backward is synchronized."""
-        if not self._used[index]:
-            self._used[index] = True
-            if not self._order_learned:
-                self._observed.append(index)
-        if not self._sync_enabled:
-            return False
-        self._backward_seen = True
-        return True
 
     def _wait_for_handles(self) -> float:
         """Wait for every launched collective; the seconds spent blocked."""
         start = time.perf_counter()
-        for handle in self._handles:
+        for handle in self._step.handles:
             handle.wait()
         return time.perf_counter() - start
 
@@ -119,7 +159,7 @@ class DataParallelWrapper(nn.Module):
             wait: seconds it spent blocked on collectives.
             launched: collectives this step launched in all.
         """
-        launched_in_backward = self._launched_in_backward
+        launched_in_backward = self._step.launched_in_backward
         if not self._order_learned:  # once, after the first synchronized step
             self._learn_order(
                 agree_on_order(self._observed, len(self._params), self.process_group)

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minddp._bulk import copy_all, zero_all
 from minddp._group import trainable_parameters
+from minddp._step import StepState
 from minddp._wrapper import DataParallelWrapper
 from minddp.bucket_plan import TensorInfo, assign_buckets, validate_bucket_size_mb
 
@@ -19,7 +21,10 @@ class _Bucket:
     """One flat buffer: the members' gradients back to back, then one used flag each."""
 
     members: list[int]  # parameter indices, in buffer order
+    params: list[nn.Parameter]  # the members themselves, in the same order
+    views: list[torch.Tensor]  # each member's slice of the buffer, shaped like it
     buffer: torch.Tensor
+    grads: torch.Tensor  # view of the buffer's head: the gradients, flat
     flags: torch.Tensor  # view of the buffer's tail, one element per member
     wire: torch.Tensor | None = None  # the buffer in reduce_dtype, when that differs
 
@@ -32,12 +37,16 @@ class DDPBucketed(DataParallelWrapper):
     dtype/device (a larger parameter gets a bucket of its own; None: one bucket).
     Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view into
     it: the all-reduce runs on the buffer in place, and the optimizer reads the
-    averaged gradients there, so nothing is copied out. A gradient autograd creates
-    fresh (``.grad`` was None, as after ``zero_grad(set_to_none=True)``) is copied
-    into its view by the parameter's hook: one read and one write of the gradient,
-    where zeroing the bucket before forward and letting autograd add into it costs
-    four passes (measured: 2 % of a 2.7B step on an H200). Later accumulation into a
-    view (``no_sync`` steps, ``zero_grad(set_to_none=False)``) happens in place.
+    averaged gradients there, so nothing is copied out. Gradients autograd creates
+    fresh (``.grad`` was None, as after ``zero_grad(set_to_none=True)``) are copied
+    into their views when their bucket fills, the whole bucket's in one call: one read
+    and one write per gradient, where zeroing the bucket before forward and letting
+    autograd add into it costs four passes (measured: 2 % of a 2.7B step on an H200).
+    Inside ``no_sync()`` each is copied in by its hook at once. Later accumulation into
+    a view (``no_sync`` micro-steps, ``zero_grad(set_to_none=False)``) happens in place.
+
+    Host time. The per-parameter hook only counts gradients in; copies, flags and the
+    collective are per bucket (see ``benchmarks/host_time.py``).
 
     Ordering guarantee. When the last member of a bucket gets its gradient, the
     bucket's asynchronous averaging all-reduce starts (:mod:`minddp.averaging`), but
@@ -100,7 +109,6 @@ class DDPBucketed(DataParallelWrapper):
         self._infos = [
             TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params
         ]
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
         self._build_buckets(assign_buckets(self._infos, self.bucket_size_mb))
         self._register_grad_hooks(self._params)
         self._reset_step_state()
@@ -113,90 +121,124 @@ class DDPBucketed(DataParallelWrapper):
         for b, members in enumerate(plan):
             for index in members:
                 self._bucket_of[index] = b
+        self._sizes = [len(members) for members in plan]
+        self._views = [torch.empty(0)] * len(self._params)  # each parameter's bucket view
+        for bucket in self._buckets:
+            for index, view in zip(bucket.members, bucket.views):
+                self._views[index] = view
+        self._wired = [bucket for bucket in self._buckets if bucket.wire is not None]
+        # Every flag is 1 between steps ("this rank used it"); a bucket launched with
+        # unused members writes 0s for them, and the finish call sets all back at once.
+        self._flags = [bucket.flags for bucket in self._buckets]
+        self._ones = [torch.ones_like(flags) for flags in self._flags]
         self.bucket_parameter_names = [[self._names[i] for i in members] for members in plan]
 
     @torch.no_grad()
     def _make_bucket(self, members: list[int]) -> _Bucket:
-        first = self._params[members[0]]
-        numel = sum(self._params[i].numel() for i in members)
+        params = [self._params[i] for i in members]
+        numel = sum(p.numel() for p in params)
+        first = params[0]
         buffer = torch.zeros(numel + len(members), dtype=first.dtype, device=first.device)
-        offset = 0
-        for index in members:
-            p = self._params[index]
+        buffer[numel:] = 1
+        views, offset = [], 0
+        for p in params:
             view = buffer[offset : offset + p.numel()].view(p.shape)
             if p.grad is not None:  # keep a gradient the user already has
                 view.copy_(p.grad)
                 p.grad = view
-            self._views[index] = view
+            views.append(view)
             offset += p.numel()
         wire = None
         if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
             wire = torch.empty_like(buffer, dtype=self.reduce_dtype)
-        return _Bucket(members=members, buffer=buffer, flags=buffer[numel:], wire=wire)
+        return _Bucket(members=members, params=params, views=views, buffer=buffer,
+                       grads=buffer[:numel], flags=buffer[numel:], wire=wire)
 
-    def _reset_step_state(self) -> None:
-        super()._reset_step_state()  # here _next counts launched buckets
-        self._remaining = [len(bucket.members) for bucket in self._buckets]
+    def _bucket_sizes(self) -> list[int]:
+        return self._sizes  # StepState.next counts launched buckets
 
-    @torch.no_grad()
-    def _attach_views(self, bucket: _Bucket) -> None:
-        """Make every member's ``.grad`` its bucket view, keeping what it holds."""
-        params, views = self._params, self._views
-        missing = [params[i].grad is None for i in bucket.members]
-        if all(missing):  # no member has a gradient: one fill for the bucket
-            bucket.buffer.zero_()
-        for index, is_missing in zip(bucket.members, missing):
-            p, view = params[index], views[index]
-            grad = p.grad
-            if grad is view:
-                continue
-            if is_missing:
-                if not all(missing):
-                    view.zero_()
-                self._zero_filled[index] = True
-            else:
-                view.copy_(grad)  # someone replaced .grad: adopt its values
-            p.grad = view
-
-    def _on_grad_ready(self, index: int) -> None:
+    def _on_local(self, step: StepState, index: int) -> None:
+        # no_sync: move a fresh gradient into its view now, so that the micro-steps
+        # that follow accumulate in place and no second copy of it stays alive.
         p, view = self._params[index], self._views[index]
-        if p.grad is not view:  # a fresh (or user-assigned) gradient: move it into the bucket
-            with torch.no_grad():
-                view.copy_(p.grad)
+        grad = p.grad
+        if grad is not view:
+            view.copy_(grad)
             p.grad = view
-        if not self._note_gradient(index):
-            return
+
+    def _on_ready(self, step: StepState, index: int) -> None:
         b = self._bucket_of[index]
-        if b < self._next:
+        remaining = step.remaining
+        remaining[b] -= 1
+        if remaining[b] != 0:
+            return
+        # Full: copy its fresh gradients in now (they are not kept alive until a bucket
+        # before it fills), then launch it and every full one after it, if every bucket
+        # before it is out: bucket i never goes out before bucket i-1, on every rank.
+        self._adopt_gradients(step, self._buckets[b])
+        if b == step.next:
+            count = len(self._buckets)
+            n = b
+            while n < count and remaining[n] == 0:
+                self._launch(step, n)
+                n += 1
+            step.launched_in_backward += n - step.next
+            step.next = n
+
+    def _check_again(self, step: StepState, index: int) -> None:
+        b = self._bucket_of[index]
+        if b < step.next:
             raise RuntimeError(
                 f"DDPBucketed: parameter {self._names[index]!r} received a gradient after "
                 f"its bucket ({b}) had been launched (a second backward before "
                 "finish_gradient_synchronization(), or a parameter reached twice, e.g. "
                 "through reentrant checkpointing)"
             )
-        if self._ready[index]:
-            return  # accumulated again before launch: fine, it goes out later
-        self._ready[index] = True
-        self._remaining[b] -= 1
-        while self._next < len(self._buckets) and self._remaining[self._next] == 0:
-            self._launch(self._next, all_used=True)
-            self._next += 1
-            self._launched_in_backward += 1
 
-    @torch.no_grad()
-    def _launch(self, b: int, *, all_used: bool) -> None:
-        """Start bucket ``b``'s averaging; every member's ``.grad`` is its view already."""
+    def _adopt_gradients(self, step: StepState, bucket: _Bucket) -> None:
+        """Make every member's ``.grad`` its bucket view, keeping what it holds.
+
+        A gradient autograd created fresh (``.grad`` was None before backward) or one
+        the user assigned is copied into the view, all of the bucket's in one call; a
+        view autograd accumulated into in place stays. A member without a gradient
+        gets zeros.
+        """
+        stale: list[torch.Tensor] = []
+        fresh: list[torch.Tensor] = []
+        missing: list[torch.Tensor] = []
+        zero_filled = step.zero_filled
+        for index, p, view in zip(bucket.members, bucket.params, bucket.views):
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:
+                missing.append(view)
+                zero_filled[index] = True
+            else:
+                stale.append(view)
+                fresh.append(grad)
+            p.grad = view
+        if fresh:
+            copy_all(stale, fresh)
+        if missing:
+            if len(missing) == len(bucket.members):
+                bucket.grads.zero_()  # one fill for the bucket
+            else:
+                zero_all(missing)
+
+    def _launch(self, step: StepState, b: int, unused: list[int] | None = None) -> None:
+        """Start bucket ``b``'s averaging; its members' ``.grad`` are its views already.
+        ``unused``: positions in the bucket of the members this rank did not use (their
+        flags become 0; the others are 1)."""
         bucket = self._buckets[b]
-        if all_used:
-            bucket.flags.fill_(1)
-        else:
-            used = [float(self._used[i]) for i in bucket.members]
-            bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
+        if unused:
+            # Views of the flags, not a tensor built on the host: no host-to-device copy.
+            zero_all([bucket.flags[j : j + 1] for j in unused])
         if bucket.wire is None:
-            self._handles.append(self._averager.start(bucket.buffer))
+            step.handles.append(self._averager.start(bucket.buffer))
         else:
             bucket.wire.copy_(bucket.buffer)
-            self._handles.append(self._averager.start(bucket.wire))
+            step.handles.append(self._averager.start(bucket.wire))
 
     def _learn_order(self, order: list[int]) -> None:
         """Rebuild the buckets along the gradient order rank 0 observed (once)."""
@@ -215,24 +257,28 @@ class DDPBucketed(DataParallelWrapper):
         if not self._sync_enabled:
             return
         start = time.perf_counter()
+        step = self._step
+        used = step.used
         partly_used = []
-        for b in range(self._next, len(self._buckets)):
-            bucket = self._buckets[b]
+        for b in range(step.next, len(self._buckets)):
             # A member may have no gradient this step, or one the user assigned since
-            # its hook ran (between no_sync backwards): give each its view.
-            self._attach_views(bucket)
-            all_used = all(self._used[i] for i in bucket.members)
-            self._launch(b, all_used=all_used)
-            if not all_used:
+            # its hook ran (between no_sync backwards): _launch gives each its view.
+            bucket = self._buckets[b]
+            self._adopt_gradients(step, bucket)
+            unused = [j for j, index in enumerate(bucket.members) if not used[index]]
+            self._launch(step, b, unused)
+            if unused:
                 partly_used.append(b)
         wait = self._wait_for_handles()
-        for bucket in self._buckets:
-            if bucket.wire is not None:
-                bucket.buffer.copy_(bucket.wire)
+        if self._wired:
+            copy_all([bucket.buffer for bucket in self._wired],
+                     [bucket.wire for bucket in self._wired])
         # Only a bucket this rank did not fully use can hold a parameter nobody used.
+        # Other ranks' unused members changed the flags of any bucket: reset them all.
         for b in partly_used:
             bucket = self._buckets[b]
             for index, used_somewhere in zip(bucket.members, bucket.flags.tolist()):
-                if self._zero_filled[index] and not used_somewhere:
+                if step.zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
+        copy_all(self._flags, self._ones)
         self._end_synchronization(start, wait, launched=len(self._buckets))

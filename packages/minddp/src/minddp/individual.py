@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp._group import trainable_parameters
+from minddp._step import StepState
 from minddp._wrapper import DataParallelWrapper
 
 
@@ -34,7 +35,7 @@ class DDPIndividualParameters(DataParallelWrapper):
     order. Every rank therefore issues exactly the same sequence.
 
     Unused parameters. A parameter with no gradient on this rank is reduced as
-    zeros. After the reduction one more all-reduce sums per-parameter "used" flags:
+    zeros. After the reduction one more all-reduce averages per-parameter "used" flags:
     a parameter no rank used goes back to ``.grad = None`` (if it was None), as
     single-process training would leave it.
 
@@ -65,36 +66,39 @@ class DDPIndividualParameters(DataParallelWrapper):
         for position, index in enumerate(order):
             self._position[index] = position
 
-    def _on_grad_ready(self, index: int) -> None:
-        if not self._note_gradient(index):
-            return
-        if self._position[index] < self._next:
+    def _on_ready(self, step: StepState, index: int) -> None:
+        if self._position[index] == step.next:
+            # Launch it and every ready one after it in the fixed order.
+            order, ready = self._order, step.ready
+            count = len(order)
+            n = step.next
+            while n < count and ready[order[n]]:
+                self._launch(step, order[n])
+                n += 1
+            step.launched_in_backward += n - step.next
+            step.next = n
+
+    def _check_again(self, step: StepState, index: int) -> None:
+        if self._position[index] < step.next:
             raise RuntimeError(
                 f"DDPIndividualParameters: parameter {self._names[index]!r} received a "
                 "gradient after its all-reduce had started (a second backward before "
                 "finish_gradient_synchronization(), or a parameter reached twice, e.g. "
                 "through reentrant checkpointing)"
             )
-        if self._ready[index]:
-            return  # accumulated again before launch: fine, it goes out later
-        self._ready[index] = True
-        while self._next < len(self._order) and self._ready[self._order[self._next]]:
-            self._launch(self._order[self._next])
-            self._next += 1
-            self._launched_in_backward += 1
 
-    @torch.no_grad()
-    def _launch(self, index: int) -> None:
+    def _launch(self, step: StepState, index: int) -> None:
+        # Called with grad mode off: from a hook inside backward, or from the finish call.
         p = self._params[index]
         grad = p.grad
         if grad is None:
             grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             p.grad = grad
-            self._zero_filled[index] = True
+            step.zero_filled[index] = True
         elif not grad.is_contiguous():
             grad = grad.contiguous()
             p.grad = grad
-        self._handles.append(self._averager.start(grad))
+        step.handles.append(self._averager.start(grad))
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -107,16 +111,23 @@ class DDPIndividualParameters(DataParallelWrapper):
         if not self._sync_enabled:
             return
         start = time.perf_counter()
-        while self._next < len(self._order):
-            self._launch(self._order[self._next])
-            self._next += 1
+        step = self._step
+        while step.next < len(self._order):
+            self._launch(step, self._order[step.next])
+            step.next += 1
         flags = None
         if self._params:
-            flags = torch.tensor(self._used, dtype=torch.float32, device=self._params[0].device)
-            self._handles.append(dist.all_reduce(flags, group=self.process_group, async_op=True))
+            device = self._params[0].device
+            if all(step.used):  # made on the device: no host-to-device copy
+                flags = torch.ones(len(step.used), device=device)
+            else:  # pageable memory, non_blocking: staged, without waiting for the GPU
+                flags = torch.tensor(step.used, dtype=torch.float32).to(
+                    device, non_blocking=True)
+            # Averaged like the gradients: what matters is only whether a flag is 0.
+            step.handles.append(self._averager.start(flags))
         wait = self._wait_for_handles()
-        if flags is not None and any(self._zero_filled):
+        if flags is not None and any(step.zero_filled):
             for index, used_somewhere in enumerate(flags.tolist()):
-                if self._zero_filled[index] and not used_somewhere:
+                if step.zero_filled[index] and not used_somewhere:
                     self._params[index].grad = None  # nobody had a gradient: keep None
         self._end_synchronization(start, wait, launched=len(self._order))

@@ -1,0 +1,217 @@
+"""Host (CPU) time of one backward with each data-parallel wrapper, at world size 1 over Gloo.
+
+The model is many small layers, so the arithmetic is negligible and what is timed is
+the bookkeeping every wrapper does per parameter and per bucket: hooks, copies, flag
+updates, collective launches. On a GPU this is the host time that decides whether a
+small-batch step is host-bound. Variants run interleaved (the order rotates every round)
+on their own copies of the same weights, so slow phases of a shared machine hit all of
+them alike.
+
+    python packages/minddp/benchmarks/host_time.py            # table
+    python packages/minddp/benchmarks/host_time.py --profile bucketed:0.01
+
+Variants: ``local`` (no wrapper), ``torch:MB`` (DistributedDataParallel, bucket_cap_mb),
+``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed). The default
+caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
+cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
+buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
+the cap (50 here, 50 for medium). ``bucketed:0.012`` has PyTorch's count (49).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
+                    "bucketed:0.008", "bucketed:0.012")
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block: 8 parameters, 4 of them matrices."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+def build_model(blocks: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, width))
+
+
+def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """The module to run forward through and the call that ends a step's synchronization."""
+    kind, _, mb = variant.partition(":")
+    if kind == "local":
+        return model, lambda: None
+    if kind == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=float(mb))
+        return ddp, lambda: None  # its Reducer finishes inside backward
+    from minddp import DDPBucketed, DDPIndividualParameters
+
+    if kind == "individual":
+        ddp = DDPIndividualParameters(model)
+    elif kind == "bucketed":
+        ddp = DDPBucketed(model, float(mb))
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    return ddp, ddp.finish_gradient_synchronization
+
+
+def collectives_per_step(variant: str, runner: nn.Module) -> int | None:
+    """Collectives the last step launched (PyTorch DDP: its buckets; local: 0)."""
+    if variant == "local":
+        return 0
+    stats = getattr(runner, "last_sync_stats", None)
+    if stats is not None:
+        return stats.launched_in_backward + stats.launched_in_finish
+    reducer = getattr(runner, "reducer", None)
+    try:  # a private call of PyTorch's Reducer: informative only
+        return len(reducer._get_zeros_like_grad_buckets())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def one_step(model: nn.Module, runner: nn.Module, finish: Callable[[], None],
+             x: torch.Tensor) -> tuple[float, ...]:
+    """One step without the optimizer. Seconds of the main thread's CPU time for forward,
+    backward (autograd runs CPU graphs on the calling thread) and the finish call, then
+    the wall time of backward."""
+    model.zero_grad(set_to_none=True)
+    c0 = time.thread_time()
+    loss = runner(x).square().mean()
+    c1 = time.thread_time()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    c2 = time.thread_time()
+    finish()
+    c3 = time.thread_time()
+    return c1 - c0, c2 - c1, c3 - c2, t2 - t1
+
+
+def measure(variants: list[str], args: argparse.Namespace
+            ) -> tuple[dict[str, list[list[tuple]]], dict[str, int | None]]:
+    """Per variant, per round, the timings of each step; and collectives per step."""
+    base = build_model(args.blocks, args.width)
+    x = torch.randn(args.batch, args.width)
+    built = {}
+    for v in variants:
+        model = copy.deepcopy(base)
+        runner, finish = wrap(v, model)
+        built[v] = (model, runner, finish)
+    samples: dict[str, list[list[tuple]]] = {v: [] for v in variants}
+    for rnd in range(args.rounds):
+        shift = rnd % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            model, runner, finish = built[v]
+            for _ in range(args.warmup):
+                one_step(model, runner, finish, x)
+            samples[v].append([one_step(model, runner, finish, x) for _ in range(args.steps)])
+    collectives = {v: collectives_per_step(v, built[v][1]) for v in variants}
+    return samples, collectives
+
+
+
+def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | None],
+           n_params: int) -> None:
+    """Medians over all steps; the extra over ``local`` is paired round by round (each
+    round runs all variants back to back), so slow phases of the machine cancel."""
+    med = {v: [statistics.median([s[i] for r in rounds for s in r]) * 1e6 for i in range(4)]
+           for v, rounds in samples.items()}
+
+    def round_totals(v: str) -> list[float]:
+        return [statistics.median([s[1] + s[2] for s in r]) * 1e6 for r in samples[v]]
+
+    local = round_totals("local") if "local" in samples else None
+    rounds = len(next(iter(samples.values())))
+    print(f"{n_params} trainable parameters; {rounds} rounds; CPU µs of the main thread "
+          "(medians) unless marked wall; extra = (backward + finish) - local's, per "
+          "parameter, median of the rounds [quartiles]")
+    print("| variant | collectives | forward | backward | finish | backward + finish "
+          "| × local | extra per parameter | backward wall |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for v, (fwd, bwd, finish, wall) in med.items():
+        total = bwd + finish
+        ratio = extra = ""
+        if local is not None:
+            ratio = f"{statistics.median([t / l for t, l in zip(round_totals(v), local)]):.2f}"
+            diffs = [(t - l) / n_params for t, l in zip(round_totals(v), local)]
+            extra = f"{statistics.median(diffs):.1f}"
+            if len(diffs) >= 4:
+                q1, _, q3 = statistics.quantiles(diffs, n=4)
+                extra += f" [{q1:.1f}, {q3:.1f}]"
+        count = "?" if collectives[v] is None else collectives[v]
+        print(f"| {v} | {count} | {fwd:.0f} | {bwd:.0f} | {finish:.0f} | {total:.0f} | "
+              f"{ratio} | {extra} | {wall:.0f} |")
+
+
+def profile(variant: str, args: argparse.Namespace) -> None:
+    """The torch profiler's view of a few backward passes: where the host time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = build_model(args.blocks, args.width)
+    runner, finish = wrap(variant, model)
+    x = torch.randn(args.batch, args.width)
+    for _ in range(args.warmup):
+        one_step(model, runner, finish, x)
+    with torch_profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+        for _ in range(args.steps):
+            one_step(model, runner, finish, x)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--blocks", type=int, default=24)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", metavar="VARIANT",
+                        help="print the torch profiler's table for this variant instead")
+    parser.add_argument("--rows", type=int, default=25, help="rows of the profiler table")
+    args = parser.parse_args(argv)
+    if min(args.blocks, args.width, args.batch, args.rounds, args.steps) < 1:
+        parser.error("--blocks, --width, --batch, --rounds and --steps must be positive")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "init"),
+                                rank=0, world_size=1)
+        try:
+            if args.profile:
+                profile(args.profile, args)
+            else:
+                n = sum(p.numel() > 0 for p in build_model(args.blocks, args.width).parameters())
+                print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "
+                      f"{args.threads} thread(s)")
+                report(*measure(list(args.variants), args), n)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
