@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from dataclasses import fields
 from datetime import timedelta
@@ -329,13 +328,12 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
 
     need_group = settings.ddp != "none" or settings.sharding != "none"
     device = D.rank_device(device_type, 0)
-    tmp = None
     try:
         if need_group:
-            tmp = tempfile.mkdtemp(prefix="lab2-train-rdzv-")
+            # An in-memory store: alone, there is no one to meet, and no rendezvous folder
+            # to leave behind if this process is killed.
             D.dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                      init_method=f"file://{tmp}/rendezvous", rank=0,
-                                      world_size=1,
+                                      store=D.dist.HashStore(), rank=0, world_size=1,
                                       timeout=timedelta(seconds=timeout_s or
                                                         D.DEFAULT_TIMEOUT_S))
         torch.set_num_threads(D.threads_per_rank(1))
@@ -345,10 +343,6 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     finally:
         if need_group and D.dist.is_initialized():
             D.dist.destroy_process_group()
-        if tmp:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return EXIT_OK
 
 
