@@ -169,7 +169,7 @@ def test_ranks_die_with_their_launcher(corpus_dir, tmp_path, sig):
 
 def test_a_stopped_rank_is_named_after_the_timeout(corpus_dir, tmp_path):
     out = tmp_path / "run"
-    launcher, ranks = _training_run(corpus_dir, out, tmp_path, "--timeout", "3")
+    launcher, ranks = _training_run(corpus_dir, out, tmp_path, "--timeout", "5")
     try:
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -186,3 +186,29 @@ def test_a_stopped_rank_is_named_after_the_timeout(corpus_dir, tmp_path):
     assert f"rank 1 (pid {ranks[1]}" in err and "stopped answering" in err, err
     assert took < 30, took
     assert not list(tmp_path.glob("lab2-train-rdzv-*"))
+
+
+# ------------------------------------------------------------- the launcher's verdicts
+def _stuck_or_killed(ctx, how: str) -> None:
+    if ctx.rank == 1:
+        if how == "stuck":
+            time.sleep(60)  # alive, beating, but never joins the collective
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("how", ["stuck", "killed"])
+def test_the_launcher_names_a_stuck_or_killed_rank(capfd, how):
+    from lab2_trainer.distributed import spawn_local
+
+    start = time.monotonic()
+    rc = spawn_local(2, "cpu", _stuck_or_killed, how, timeout_s=3)
+    took = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert rc == 1 and took < 30, (rc, took, err)
+    if how == "stuck":
+        assert "rank 0 gave up waiting for the other ranks after --timeout 3 s" in err, err
+        assert "rank 1 (pid" in err and "alive but stuck elsewhere" in err, err
+    else:
+        assert "rank 1 (pid" in err and "was killed by SIGKILL" in err, err

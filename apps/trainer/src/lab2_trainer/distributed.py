@@ -194,6 +194,13 @@ def _stop_ranks(procs: list, frozen: tuple[int, ...] = ()) -> None:
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Run ``fn(ctx, *args)`` on ``nproc`` local ranks; return the first failing exit code
@@ -239,6 +246,10 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
                 time.sleep(0.5)
                 why = watch.explain_stop(procs, timeout_s)
                 frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
+                for rank, code in enumerate(codes):
+                    if code is not None and code < 0:
+                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was killed by "
+                              f"{_signal_name(-code)}", file=sys.stderr, flush=True)
                 if why:
                     print(f"lab2-train: {why}", file=sys.stderr, flush=True)
                 return failed[0] if failed[0] > 0 else 1
