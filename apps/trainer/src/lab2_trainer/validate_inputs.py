@@ -160,7 +160,7 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
     need = world_size * (per_rank + PROCESS_BYTES)
     have = available if available is not None else available_memory()
     if have is not None and need > have:
-        raise UsageError(f"the model needs at least {_fmt(need)} of memory ({what}, "
+        raise UsageError(f"the run needs at least {_fmt(need)} of memory ({what}, "
                          f"{world_size} rank(s)); this machine has {_fmt(have)} available: "
                          f"{hint}")
 
