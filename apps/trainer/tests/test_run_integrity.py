@@ -42,8 +42,11 @@ def _env(tmp: Path) -> dict[str, str]:
 def _launch(args: list[str], tmp: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; "
            "sys.exit(main())", *args]
+    # Its own session (a terminal's process group, for Ctrl-C), with SIGINT's default
+    # action even where this test runs with SIGINT ignored.
     return subprocess.Popen(cmd, env=_env(tmp), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -138,20 +141,31 @@ def test_second_run_into_a_claimed_folder_is_refused_and_the_first_keeps_its_res
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT],
+                         ids=["TERM", "KILL", "ctrl-c"])
 def test_ranks_die_with_their_launcher(corpus_dir, tmp_path, sig):
+    """SIGTERM and SIGKILL to the launcher alone; SIGINT to the whole process group, as a
+    terminal's Ctrl-C sends it."""
     out = tmp_path / "run"
     launcher, ranks = _training_run(corpus_dir, out, tmp_path, "--ckpt-every", "2")
     try:
         _wait_for(lambda: (out / "ckpt.pt").is_file(), 60, "a checkpoint", launcher)
-        os.kill(launcher.pid, sig)
+        if sig == signal.SIGINT:
+            os.killpg(launcher.pid, sig)
+        else:
+            os.kill(launcher.pid, sig)
         killed = time.monotonic()
         _wait_for(lambda: not any(map(_running, ranks)), 10, "the ranks to die")
         assert time.monotonic() - killed < 5
         launcher.wait(timeout=60)
+        err = launcher.stderr.read()
     finally:
         _stop(launcher, ranks)
-    assert launcher.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert launcher.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130}.get(sig, -sig), err
+    if sig != signal.SIGKILL:  # one line, no rank's traceback
+        word = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
+        assert err.strip().splitlines() == [
+            f"lab2-train: {word}: stopping the ranks; the last checkpoint is intact"], err
     assert not (out / "summary.json").exists()
     assert not list(tmp_path.glob("lab2-train-rdzv-*")), "rendezvous folder left behind"
     if sig == signal.SIGKILL:

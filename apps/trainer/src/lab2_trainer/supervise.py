@@ -45,15 +45,44 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     # Once is enough: a second SIGTERM must not interrupt the shutdown itself.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _ignore)
     raise Terminated(f"stopped by {signal.Signals(signum).name}")
 
 
-def install_termination_handler() -> Any:
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
+_stopping = False
+
+
+def _rank_stop(signum: int, frame: Any) -> None:
+    # A rank stops once: the launcher's SIGTERM after Ctrl-C (or a second Ctrl-C) must not
+    # interrupt the shutdown the first one started (the launcher escalates to SIGKILL).
+    # (A handler that returns, not SIG_IGN: a signal already pending when the disposition
+    # changed would surface as "OSError: Signal 15 ignored due to race condition".)
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(f"stopped by {signal.Signals(signum).name}")
+
+
+def install_termination_handler(*, rank: bool = False) -> Any:
     """SIGTERM raises :class:`Terminated` in the main thread; returns the old handler
-    (None when not on the main thread, where signals cannot be handled)."""
+    (None when not on the main thread, where signals cannot be handled).
+
+    Args:
+        rank: in a rank, the first SIGTERM or Ctrl-C also ignores every later one.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
+    if rank:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _rank_stop)
+        return signal.signal(signal.SIGTERM, _rank_stop)
     return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
@@ -172,7 +201,7 @@ class RankGuard:
 
     def start(self) -> None:
         set_parent_death_signal(signal.SIGTERM)
-        install_termination_handler()
+        install_termination_handler(rank=True)
         self.watch.beats[self.rank] = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="lab2-rank-watch", daemon=True)
         self._thread.start()
