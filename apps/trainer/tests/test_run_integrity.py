@@ -208,11 +208,12 @@ def _stuck_or_killed(ctx, how: str) -> None:
         if how == "stuck":
             time.sleep(60)  # alive, beating, but never joins the collective
         else:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGTERM)
+            time.sleep(60)
     torch.distributed.barrier()
 
 
-@pytest.mark.parametrize("how", ["stuck", "killed"])
+@pytest.mark.parametrize("how", ["stuck", "killed", "terminated"])
 def test_the_launcher_names_a_stuck_or_killed_rank(capfd, how):
     from lab2_trainer.distributed import spawn_local
 
@@ -220,9 +221,11 @@ def test_the_launcher_names_a_stuck_or_killed_rank(capfd, how):
     rc = spawn_local(2, "cpu", _stuck_or_killed, how, timeout_s=3)
     took = time.monotonic() - start
     err = capfd.readouterr().err
-    assert rc == 1 and took < 30, (rc, took, err)
+    assert rc in ((1, 143) if how == "terminated" else (1,)) and took < 30, (rc, took, err)
     if how == "stuck":
         assert "rank 0 gave up waiting for the other ranks after --timeout 3 s" in err, err
         assert "rank 1 (pid" in err and "alive but stuck elsewhere" in err, err
-    else:
+    elif how == "killed":
         assert "rank 1 (pid" in err and "was killed by SIGKILL" in err, err
+    else:
+        assert "rank 1 (pid" in err and "was stopped by SIGTERM" in err, err

@@ -250,6 +250,10 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
                     if code is not None and code < 0:
                         print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was killed by "
                               f"{_signal_name(-code)}", file=sys.stderr, flush=True)
+                    elif code in (130, 143):  # a signal to the rank alone: it stopped in order
+                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was stopped by "
+                              f"{'SIGTERM' if code == 143 else 'SIGINT'}", file=sys.stderr,
+                              flush=True)
                 if why:
                     print(f"lab2-train: {why}", file=sys.stderr, flush=True)
                 return failed[0] if failed[0] > 0 else 1
