@@ -198,6 +198,14 @@ def test_claims_held_stale_and_foreign(tmp_path):
         with pytest.raises(UsageError, match=fragment):
             claim_folder(out)
         assert json.loads((out / LOCK_NAME).read_text()) == owner  # left alone
+    # A lock that is a symlink is not followed (a takeover would truncate its target).
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (out / LOCK_NAME).unlink()
+    (out / LOCK_NAME).symlink_to(precious)
+    with pytest.raises(UsageError, match="cannot claim"):
+        claim_folder(out)
+    assert precious.read_text() == "keep me"
 
 
 def test_stale_temporaries_are_removed_only_when_their_writer_is_gone(tmp_path):

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ except ImportError:  # not POSIX: pid and host alone decide
     fcntl = None  # type: ignore[assignment]
 
 LOCK_NAME = ".lab2-train.lock"
+# A lock "file" that is a symlink is never followed: a takeover must not truncate whatever
+# it points to.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Temporary files of interrupted atomic writes: .<name>.<pid>.tmp, and the plot's
 # .<stem>.<pid>.tmp.png (see checkpoint.save_atomic and report.write_text_atomic).
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.png)?$")
@@ -160,7 +164,7 @@ def _publish(lock: Path) -> int | None:
         except OSError:  # no hard links here: O_EXCL on the name itself
             os.close(fd)
             try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             except FileExistsError:
                 return None
             _try_lock(fd)
@@ -176,11 +180,14 @@ def _take_over_or_refuse(lock: Path, folder: Path) -> tuple[int, dict[str, Any]]
     """Inspect an existing claim: take it over when stale (returns the fd and the old
     claim), None when the file vanished meanwhile (try again); raises when it is live."""
     try:
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(lock, os.O_RDWR | _NOFOLLOW)
     except FileNotFoundError:
         return None
     keep = False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"--out {folder}: {lock} is not a regular file; remove it "
+                             "(nothing was written)")
         locked = _try_lock(fd)
         info = _read(fd)
         if locked is False:
@@ -280,7 +287,7 @@ def live_claim(folder: str | os.PathLike) -> dict[str, Any] | None:
     live process on this host, or one on another host), or None when none does."""
     lock = Path(folder) / LOCK_NAME
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY | _NOFOLLOW)
     except OSError:
         return None
     try:
