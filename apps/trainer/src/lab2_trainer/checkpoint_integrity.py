@@ -75,10 +75,11 @@ def first_damage(ckpt: dict[str, Any]) -> str | None:
         seen.add(path)
         if path not in stored:
             return f"tensor {path} has no checksum"
-        got = tensor_crc(value)
-        if got != stored[path]:
+        got, saved = tensor_crc(value), stored[path]
+        if got != saved:
+            saved_text = f"{saved:08x}" if isinstance(saved, int) else repr(saved)
             return (f"tensor {path} does not match its checksum (crc32 {got:08x}, "
-                    f"saved {stored[path]:08x})")
+                    f"saved {saved_text})")
     lost = sorted(set(stored) - seen - {META})
     if lost:
         return f"tensor {lost[0]} is missing"
