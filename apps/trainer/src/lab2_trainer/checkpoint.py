@@ -9,7 +9,11 @@ it loads with ``weights_only=True``):
   optimizer is consolidated first), so any sharding and any number of ranks can load it;
 * ``schedule``, ``step``, ``settings`` (the training settings), ``sampler`` (the data
   position), ``data`` (what data it was trained on), ``rng`` (torch's random states),
-  ``scaler`` (fp16 gradient scaler), ``world_size``.
+  ``scaler`` (fp16 gradient scaler), ``world_size``;
+* ``checksums`` (version 2): a CRC-32 of every tensor and one of everything else
+  (:mod:`lab2_trainer.checkpoint_integrity`), verified on load, where the model and the
+  optimizer state must also be finite. Version 1 files (no checksums) still load, with
+  the finiteness check only.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from typing import Any
 
 import torch
 
+from lab2_trainer.checkpoint_integrity import first_damage, first_non_finite, seal
 from lab2_trainer.errors import UsageError
 
 FORMAT = "lab2-trainer-checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CHECKPOINT_NAME = "ckpt.pt"
 REQUIRED_KEYS = ("model_config", "model", "optimizer", "schedule", "step", "settings",
                  "sampler", "data", "rng")
@@ -38,6 +44,8 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
         path: destination; its folder must exist.
     """
     path = Path(path)
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        obj = seal(obj)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -79,7 +87,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check a checkpoint.
 
     Raises:
-        UsageError: missing, unreadable, truncated, not ours, or from another version.
+        UsageError: missing, unreadable, truncated, not ours, from another version,
+            damaged (a tensor that does not match its checksum: the first is named), or
+            holding NaN or infinity in the model or the optimizer state.
     """
     p = resolve_checkpoint_path(path)
     try:
@@ -89,11 +99,19 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UsageError(f"cannot read checkpoint {p}: {reason}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UsageError(f"{p} is not a lab2-trainer checkpoint")
-    if ckpt.get("version") != VERSION:
+    if ckpt.get("version") not in READABLE_VERSIONS:
         raise UsageError(
-            f"{p} is checkpoint version {ckpt.get('version')}; this trainer reads {VERSION}"
+            f"{p} is checkpoint version {ckpt.get('version')}; this trainer reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if ckpt["version"] >= 2:
+        damage = first_damage(ckpt)
+        if damage:
+            raise UsageError(f"checkpoint {p} is damaged: {damage}")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
     if missing:
         raise UsageError(f"checkpoint {p} lacks {', '.join(missing)}")
+    bad = first_non_finite(ckpt)
+    if bad:
+        raise UsageError(f"checkpoint {p} is unusable: {bad}")
     return ckpt

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from dataclasses import fields
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sharding", choices=["none", "zero1", "torch"],
                    help="optimizer-state sharding (default zero1 with >1 rank, else none)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    r.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks, and how long a "
+                   "rank may go silent, before the run fails naming it (default 300)")
     o = p.add_argument_group("outputs")
     o.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
     o.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
@@ -125,6 +128,12 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
     from lab2_trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, resolve_checkpoint_path
     from lab2_trainer.data import check_batch_layout, load_corpus
     from lab2_trainer.settings import TRAJECTORY_FIELDS, TrainSettings
+    from lab2_trainer.validate_inputs import (
+        check_checkpoint_fits,
+        check_memory,
+        check_numbers,
+        check_out_path,
+    )
 
     model_overrides = _explicit(args, MODEL_FLAGS)
     train_names = [f.name for f in fields(TrainSettings) if f.name not in ("model", "resume",
@@ -167,15 +176,23 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
         settings.out = args.out or os.path.join("runs", f"{args.preset or 'tiny'}-{stamp}")
         existing = Path(settings.out) / CHECKPOINT_NAME
         if existing.exists():
+            from lab2_trainer.run_claim import in_use_message, live_claim
+
+            owner = live_claim(settings.out)
+            if owner is not None:
+                raise UsageError(in_use_message(settings.out, owner))
             raise UsageError(f"{existing} exists: pass --resume to continue that run, or "
                              "choose another --out (nothing was overwritten)")
     settings.device_type = device_type
     settings.ddp = explicit.get("ddp", "bucketed" if world_size > 1 else "none")
     settings.sharding = explicit.get("sharding", "zero1" if world_size > 1 else "none")
+    check_numbers(settings, getattr(args, "timeout", None))
+    check_out_path(settings.out)
     try:
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    check_memory(settings, world_size, device_type)
     check_batch_layout(settings.batch_size, world_size, settings.grad_accum)
     corpus = load_corpus(settings.data, settings.vocab_size)
     if corpus.vocab_size != settings.model.vocab_size:
@@ -188,6 +205,8 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
                              f"fewer than one window of context_length + 1 = {need}")
     if ckpt is not None and ckpt["data"] != corpus.identity():
         raise UsageError(f"checkpoint was trained on {ckpt['data']}, not on {corpus.identity()}")
+    if ckpt is not None:
+        check_checkpoint_fits(ckpt, settings, path)
     return settings, corpus
 
 
@@ -214,28 +233,78 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
     from lab2_trainer import distributed as D
+    from lab2_trainer import supervise
     from lab2_trainer.train import train
 
+    # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
+    previous = supervise.install_termination_handler()
+    claim = None
     try:
-        device_type = D.resolve_device_type(args.device)
-        world_size, under_torchrun = _resolve_world(args, device_type)
-        settings, _ = resolve_settings(args, world_size, device_type)
-    except UsageError as exc:
-        return _error(str(exc))
-    if under_torchrun:
-        ctx = D.init_from_env(device_type)
         try:
-            train(ctx, settings)
+            device_type = D.resolve_device_type(args.device)
+            world_size, under_torchrun = _resolve_world(args, device_type)
+            settings, _ = resolve_settings(args, world_size, device_type)
+            timeout_s = args.timeout or D.DEFAULT_TIMEOUT_S
+            if not under_torchrun or int(os.environ["RANK"]) == 0:
+                claim = _claim_out(settings)
         except UsageError as exc:
             return _error(str(exc))
-        finally:
-            D.dist.destroy_process_group()
-        return EXIT_OK
-    if world_size > 1:
-        if device_type == "cpu":
-            _preload(settings)
-        return D.spawn_local(world_size, device_type, train, settings)
-    return _run_single(settings, device_type)
+        if under_torchrun:
+            supervise.set_parent_death_signal()
+            ctx = D.init_from_env(device_type, timeout_s)
+            try:
+                train(ctx, settings)
+            except UsageError as exc:
+                return _error(str(exc))
+            finally:
+                D.dist.destroy_process_group()
+            return EXIT_OK
+        if world_size > 1:
+            if device_type == "cpu":
+                _preload(settings)
+            return D.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
+        return _run_single(settings, device_type, timeout_s)
+    except KeyboardInterrupt as exc:
+        code = supervise.exit_code_for(exc)
+        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; the last "
+              "checkpoint is intact", file=sys.stderr, flush=True)
+        return code
+    finally:
+        if claim is not None:
+            claim.release()
+        supervise.restore_termination_handler(previous)
+
+
+def _claim_out(settings):
+    """Claim ``--out`` for this run (refused while another live run holds it), then remove
+    the temporary files interrupted checkpoint writes left there and beside the checkpoint
+    resumed from."""
+    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.run_claim import claim_folder, clean_stale_temporaries, folder_is_claimed
+
+    claim = claim_folder(settings.out)
+    try:
+        existing = Path(settings.out) / CHECKPOINT_NAME
+        if settings.resume is None and existing.exists():
+            # A run finished there between the first check and the claim.
+            raise UsageError(f"{existing} exists: pass --resume to continue that run, or "
+                             "choose another --out (nothing was overwritten)")
+        removed = clean_stale_temporaries(settings.out, only_dead_writers=False)
+        if settings.resume is not None:
+            source = Path(settings.resume).parent
+            if source.resolve() != Path(settings.out).resolve() and not folder_is_claimed(source):
+                removed += clean_stale_temporaries(source, only_dead_writers=True)
+    except BaseException:
+        claim.release()
+        raise
+    if claim.took_over:
+        print(f"lab2-train: note: took over {settings.out}, whose claim by pid "
+              f"{claim.took_over.get('pid')} was stale (that process is gone)", file=sys.stderr,
+              flush=True)
+    if removed:
+        print(f"lab2-train: note: removed {len(removed)} temporary file(s) left by interrupted "
+              f"writes: {', '.join(removed)}", file=sys.stderr, flush=True)
+    return claim
 
 
 def _preload(settings) -> None:
@@ -253,7 +322,7 @@ def _preload(settings) -> None:
             importlib.import_module(name)
 
 
-def _run_single(settings, device_type: str) -> int:
+def _run_single(settings, device_type: str, timeout_s: float | None = None) -> int:
     """One rank in this process; a one-rank Gloo/NCCL group when a DDP or sharded optimizer
     was asked for (they are collectives, even alone)."""
     import torch
@@ -263,13 +332,14 @@ def _run_single(settings, device_type: str) -> int:
 
     need_group = settings.ddp != "none" or settings.sharding != "none"
     device = D.rank_device(device_type, 0)
-    tmp = None
     try:
         if need_group:
-            tmp = tempfile.mkdtemp(prefix="lab2-train-rdzv-")
+            # An in-memory store: alone, there is no one to meet, and no rendezvous folder
+            # to leave behind if this process is killed.
             D.dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                      init_method=f"file://{tmp}/rendezvous", rank=0,
-                                      world_size=1)
+                                      store=D.dist.HashStore(), rank=0, world_size=1,
+                                      timeout=timedelta(seconds=timeout_s or
+                                                        D.DEFAULT_TIMEOUT_S))
         torch.set_num_threads(D.threads_per_rank(1))
         train(D.DistContext(device=device), settings)
     except UsageError as exc:
@@ -277,10 +347,6 @@ def _run_single(settings, device_type: str) -> int:
     finally:
         if need_group and D.dist.is_initialized():
             D.dist.destroy_process_group()
-        if tmp:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return EXIT_OK
 
 

@@ -167,6 +167,11 @@ def _check_vocab(array: np.ndarray, vocab_size: int, what: str) -> None:
         raise DataError(
             f"{what} holds token id {int(array.max())}, not below --vocab-size {vocab_size}"
         )
+    if len(array) and not np.issubdtype(array.dtype, np.unsignedinteger) \
+            and int(array.min()) < 0:
+        first = int(np.argmax(np.asarray(array) < 0))
+        raise DataError(f"{what} holds negative token id {int(array[first])} (at position "
+                        f"{first}); token ids must be in [0, --vocab-size)")
 
 
 def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpus:

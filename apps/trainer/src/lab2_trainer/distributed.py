@@ -8,9 +8,11 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are read.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -24,6 +26,13 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.errors import UsageError
+from lab2_trainer.supervise import (
+    FAILED,
+    TIMED_OUT,
+    RankWatch,
+    exit_code_for,
+    is_timeout_error,
+)
 
 # Exit code of a rank that stopped on bad input (it already printed one line).
 EXIT_BAD_INPUT = 2
@@ -124,7 +133,9 @@ def threads_per_rank(local_world: int) -> int:
 
 
 def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeout_s: float,
-               fn: Callable[..., Any], args: tuple) -> None:
+               fn: Callable[..., Any], args: tuple, watch: RankWatch | None = None) -> None:
+    # First of all: die with the launcher, and take SIGTERM like Ctrl-C.
+    guard = watch.start_rank(rank) if watch is not None else None
     torch.set_num_threads(threads_per_rank(world))
     os.environ["LOCAL_RANK"] = str(rank)
     try:
@@ -141,42 +152,90 @@ def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeou
     except UsageError as exc:
         print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseException:
-        print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
+    except KeyboardInterrupt as exc:
+        sys.exit(exit_code_for(exc))
+    except BaseException as exc:
+        if is_timeout_error(exc):
+            if watch is not None:
+                watch.mark(rank, TIMED_OUT)
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            print(f"lab2-train: rank {rank} gave up waiting for the other ranks after "
+                  f"--timeout {timeout_s:g} s ({reason})", file=sys.stderr, flush=True)
+        else:
+            if watch is not None:
+                watch.mark(rank, FAILED)
+            print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
         sys.exit(1)
+    finally:
+        if guard is not None:
+            guard.stop()
+
+
+def _stop_ranks(procs: list, frozen: tuple[int, ...] = ()) -> None:
+    """SIGKILL for the ranks in ``frozen`` (they cannot stop in order, and their peers'
+    collectives fail at once when they are gone); SIGTERM (the ranks' orderly stop) and
+    SIGCONT for the others; then SIGKILL for any left after 5 s."""
+    for rank in frozen:
+        procs[rank].kill()
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
-                timeout_s: float = 600.0) -> int:
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Run ``fn(ctx, *args)`` on ``nproc`` local ranks; return the first failing exit code
     (0 when all succeed).
 
     On the CPU the ranks are forked (this process has imported torch already, which takes
     seconds on a small machine; a fork shares it); on GPUs they are spawned fresh, since a
     fork must not inherit a CUDA context. When one rank fails, the others are stopped at
-    once instead of waiting in a collective for the timeout.
+    once instead of waiting in a collective for the timeout. The ranks die with this
+    process (:mod:`lab2_trainer.supervise`); a rank without a heartbeat for ``timeout_s``
+    ends the run, named. SIGTERM here (see :func:`supervise.install_termination_handler`)
+    stops the ranks in order, like Ctrl-C; the rendezvous folder is always removed.
 
     Args:
         nproc: number of ranks.
         device_type: "cpu" (Gloo) or "cuda" (NCCL, one GPU per rank).
         fn: module-level function taking a :class:`DistContext` first.
-        timeout_s: the process group's collective timeout.
+        timeout_s: the process group's collective timeout, and how long a rank may
+            go without a heartbeat.
     """
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} needs {nproc} GPUs; {torch.cuda.device_count()} visible")
     ctx = mp.get_context("fork" if device_type == "cpu" else "spawn")
     tmp = tempfile.mkdtemp(prefix="lab2-train-rdzv-")
     init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+    watch = RankWatch(ctx, nproc, tmp)
     saved_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     procs = []
+    frozen: tuple[int, ...] = ()
     try:
         for rank in range(nproc):
             p = ctx.Process(target=_rank_main,
-                            args=(rank, nproc, init_method, device_type, timeout_s, fn, args))
+                            args=(rank, nproc, init_method, device_type, timeout_s, fn, args,
+                                  watch))
             p.start()
             procs.append(p)
         while True:
@@ -185,20 +244,37 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
             if failed:
                 # Give the others a moment to finish printing their own error line.
                 time.sleep(0.5)
+                why = watch.explain_stop(procs, timeout_s)
+                frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
+                for rank, code in enumerate(codes):
+                    if code is not None and code < 0:
+                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was killed by "
+                              f"{_signal_name(-code)}", file=sys.stderr, flush=True)
+                    elif code in (130, 143):  # a signal to the rank alone: it stopped in order
+                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was stopped by "
+                              f"{'SIGTERM' if code == 143 else 'SIGINT'}", file=sys.stderr,
+                              flush=True)
+                if why:
+                    print(f"lab2-train: {why}", file=sys.stderr, flush=True)
                 return failed[0] if failed[0] > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
+            silent = watch.silent_ranks(procs, timeout_s)
+            if silent:
+                frozen = tuple(r for r, _ in silent)
+                names = ", ".join(f"rank {r} (pid {procs[r].pid})" for r, _ in silent)
+                print(f"lab2-train: {names} stopped answering: no heartbeat for "
+                      f"{max(q for _, q in silent):.0f} s (--timeout {timeout_s:g}); stopped "
+                      "or frozen. Ending the run.", file=sys.stderr, flush=True)
+                return 1
             procs[codes.index(None)].join(timeout=0.2)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        code = exit_code_for(exc)
+        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}: stopping "
+              "the ranks; the last checkpoint is intact", file=sys.stderr, flush=True)
+        return code
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop_ranks(procs, frozen)
         if saved_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:

@@ -8,11 +8,13 @@ from torch import nn
 
 from minddp._group import group_size, trainable_parameters
 from minddp.flatten import group_by_dtype_device
+from minddp.model_check import check_signature_agrees, gradient_signature
 
 
 @torch.no_grad()
 def all_reduce_gradients(
-    module: nn.Module, *, flat: bool = False, process_group: dist.ProcessGroup | None = None
+    module: nn.Module, *, flat: bool = False, process_group: dist.ProcessGroup | None = None,
+    check: bool = True,
 ) -> None:
     """Average the gradients of ``module``'s trainable parameters over all ranks.
 
@@ -30,11 +32,22 @@ def all_reduce_gradients(
             True: per dtype/device, all gradients and their used flags are packed into
             one flat buffer and reduced with one all-reduce.
         process_group: the group to average over (default group when None).
+        check: first compare the trainable parameters' names, shapes and dtypes across
+            ranks (one all-reduce of two int64 words); on by default, since reducing
+            gradients of different shapes corrupts them or aborts the process.
+
+    Raises:
+        ModelMismatchError: on every rank, when the ranks' trainable parameters differ;
+            no gradient is touched.
     """
     params = [p for _, p in trainable_parameters(module)]
+    world = group_size(process_group)
+    if check and world > 1:
+        check_signature_agrees(gradient_signature(module), what="trainable parameters",
+                               process_group=process_group,
+                               device=params[0].device if params else None)
     if not params:
         return
-    world = group_size(process_group)
     if flat:
         _flat(params, world, process_group)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -85,14 +86,60 @@ def check_model_consistency(
     dist.all_gather_object(digests, _digest(sig), group=process_group)
     if all(d == digests[0] for d in digests):
         return
+    _raise_first_difference(sig, world, process_group, "model")
+
+
+def _raise_first_difference(sig: list[Entry], world: int, process_group, what: str) -> None:
     sigs: list[list[Entry] | None] = [None] * world
     dist.all_gather_object(sigs, sig, group=process_group)
     for rank in range(1, world):
         diff = first_mismatch(sigs[0], sigs[rank])  # type: ignore[arg-type]
         if diff is not None:
             raise ModelMismatchError(
-                f"model differs between rank 0 and rank {rank} of {world}: {diff}. "
+                f"{what} differs between rank 0 and rank {rank} of {world}: {diff}. "
                 "Every rank must build the same model (same parameters, buffers, "
                 "shapes, dtypes and frozen flags) before wrapping it."
             )
-    raise ModelMismatchError("model signatures differ across ranks")  # digest clash: unreachable
+    raise ModelMismatchError(f"{what} signatures differ across ranks")  # digest clash
+
+
+def gradient_signature(module: nn.Module) -> list[Entry]:
+    """The entries of :func:`model_signature` that gradient averaging depends on: the
+    trainable parameters (names, shapes, dtypes), in registration order."""
+    return [e for e in model_signature(module) if e[0] == "param" and e[4]]
+
+
+def _collective_device(process_group, tensors) -> torch.device:
+    for t in tensors:
+        return t.device
+    if dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_signature_agrees(
+    sig: list[Entry], *, what: str = "model", process_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless ``sig`` is the same on all.
+
+    Cheap enough to run every step: one all-reduce of two int64 words (the maximum of
+    the digests and of their negations: they agree exactly when max == min). Only when
+    they differ are the full signatures gathered, to name the first difference.
+
+    Args:
+        sig: this rank's signature (:func:`model_signature` or a part of it).
+        what: what the message calls it ("model", "gradients").
+        process_group: the group to compare across (default group when None).
+        device: where the two words go (the parameters' device; NCCL needs a GPU).
+    """
+    world = group_size(process_group)
+    if world == 1:
+        return
+    h = int.from_bytes(hashlib.sha256(repr(sig).encode()).digest()[:7], "little")
+    device = device if device is not None else _collective_device(process_group, ())
+    words = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    dist.all_reduce(words, op=dist.ReduceOp.MAX, group=process_group)
+    if int(words[0]) == -int(words[1]):
+        return
+    _raise_first_difference(sig, world, process_group, what)

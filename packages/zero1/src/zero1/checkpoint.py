@@ -66,27 +66,6 @@ def pack_param_groups(param_groups: Sequence[Mapping[str, Any]]) -> list[dict[st
     return packed
 
 
-def check_compatible(state_dict: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """Raise ValueError unless ``state_dict`` has our number and sizes of groups."""
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError(
-            "ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' "
-            "(an optimizer state dict)"
-        )
-    saved = state_dict["param_groups"]
-    if len(saved) != len(param_groups):
-        raise ValueError(
-            f"ShardedOptimizer.load_state_dict: the state dict has {len(saved)} param groups, "
-            f"this optimizer {len(param_groups)}"
-        )
-    for i, (ours, theirs) in enumerate(zip(param_groups, saved)):
-        if len(ours["params"]) != len(theirs["params"]):
-            raise ValueError(
-                f"ShardedOptimizer.load_state_dict: param group {i} has {len(theirs['params'])} "
-                f"parameters in the state dict but {len(ours['params'])} here"
-            )
-
-
 def select_shard(
     state_dict: Mapping[str, Any],
     owners_by_group: Sequence[Sequence[int]],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -12,7 +12,6 @@ from torch.optim import Optimizer
 
 from .accounting import optimizer_state_bytes
 from .checkpoint import (
-    check_compatible,
     merge_shards,
     pack_param_groups,
     select_shard,
@@ -28,6 +27,7 @@ from .param_groups import (
 )
 from .partition import partition_parameters
 from .process_group import check_same_on_every_rank, resolve_group
+from .state_check import check_state_dict, dry_run_load
 
 
 def _size(p: torch.Tensor) -> int:
@@ -341,22 +341,51 @@ class ShardedOptimizer(Optimizer):
         Every rank keeps the state of the parameters it owns and takes the groups'
         hyperparameters. Not a collective, but call it on every rank.
 
+        Everything is checked before anything changes (see :mod:`zero1.state_check`): a
+        state dict of the wrong type, layout or optimizer raises, and the optimizer is
+        left as it was.
+
         Args:
             state_dict: what ``state_dict()`` returned, possibly saved by another world
                 size, or a plain optimizer's state dict over the same parameters.
+
+        Raises:
+            TypeError: not a state dict (a list, ...), or parts of it of the wrong type.
+            ValueError: another number of groups or parameters, another optimizer's
+                state (SGD's into AdamW), or a state tensor of the wrong shape.
         """
+        if not isinstance(state_dict, Mapping):
+            check_state_dict(state_dict, self.param_groups, self.defaults)  # raises TypeError
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        check_compatible(state_dict, self.param_groups)
-        self._local.load_state_dict(select_shard(state_dict, self._owners, self._info.rank))
-        self.state = self._local.state  # type: ignore[assignment]
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+        check_state_dict(state_dict, self.param_groups, self.defaults,
+                         optimizer_name=self._optimizer_cls.__name__,
+                         optimizer_cls=self._optimizer_cls)
+        dry_run_load(state_dict, self.param_groups, self.defaults, self._optimizer_cls)
+        shard = select_shard(state_dict, self._owners, self._info.rank)
+        saved_hyperparameters = [hyperparameters(g) for g in state_dict["param_groups"]]
+        local = self._local
+        before = {k: local.__dict__[k] for k in ("state", "param_groups")}
+        try:
+            local.load_state_dict(shard)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            # torch.optim may have replaced the state before failing: put it back.
+            local.__dict__.update(before)
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: {self._optimizer_cls.__name__} cannot load "
+                f"this state ({type(exc).__name__}: {exc}); the optimizer is unchanged"
+            ) from exc
+        except BaseException:
+            local.__dict__.update(before)
+            raise
+        self.state = local.state  # type: ignore[assignment]
+        for group, saved in zip(self.param_groups, saved_hyperparameters):
             params = group["params"]
             group.clear()
-            group.update(hyperparameters(saved))
+            group.update(saved)
             group["params"] = params
         self._consolidated_state = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():

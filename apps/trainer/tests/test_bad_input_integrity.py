@@ -1,0 +1,222 @@
+"""Bad input stopped in the launcher, before any rank starts: one line on stderr, exit
+code 2, nothing written. Damaged and unfit checkpoints, non-finite or out-of-range float
+flags, negative token ids, ``--out`` naming a file, a model too large for the machine;
+and the output folder's claim (held, stale, from another host)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lab2_trainer import checkpoint_integrity as integrity
+from lab2_trainer.checkpoint import load_checkpoint
+from lab2_trainer.cli import main
+from lab2_trainer.errors import UsageError
+from lab2_trainer.run_claim import LOCK_NAME, claim_folder, clean_stale_temporaries
+
+torch.set_num_threads(1)
+
+TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
+        "--context-length", "32", "--batch-size", "8", "--eval-batches", "2",
+        "--sample-tokens", "0", "--quiet", "--no-plot"]
+
+
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    """Every file and folder under ``root`` with its size and modification time."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.stat(os.path.join(dirpath, name))
+            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size,
+                        st.st_mtime_ns))
+    return sorted(out)
+
+
+def run_bad(capsys, argv: list[str], root: Path) -> str:
+    """``main(argv)`` must exit 2 with one line on stderr and change nothing under root."""
+    before = _listing(root)
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lab2-train: error: "), err
+    assert _listing(root) == before, "something was written"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run_dir(corpus_dir, tmp_path_factory) -> Path:
+    """A finished one-rank run (with a checkpoint) of the tiny model."""
+    out = tmp_path_factory.mktemp("runs") / "done"
+    assert main([*TINY, "--data", str(corpus_dir), "--nproc", "1", "--steps", "2",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def _damaged_copy(run_dir: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the run's checkpoint, edited in memory and saved again (sealed)."""
+    ckpt = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    edit(ckpt)
+    ckpt.pop("checksums")
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    torch.save(integrity.seal(ckpt), folder / "ckpt.pt")
+    return folder / "ckpt.pt"
+
+
+# ------------------------------------------------------------- damaged checkpoints
+def test_flipped_payload_bytes_are_caught_naming_the_tensor(capsys, run_dir, tmp_path):
+    """The issue's case: 64 bytes of tok_emb.weight overwritten (16 NaNs) in the file."""
+    bad = tmp_path / "ckpt.pt"
+    raw = bytearray((run_dir / "ckpt.pt").read_bytes())
+    weight = torch.load(run_dir / "ckpt.pt", weights_only=True)["model"]["tok_emb.weight"]
+    at = bytes(raw).find(weight.numpy().tobytes()[:256])
+    assert at > 0
+    raw[at + 1024:at + 1088] = b"\xff" * 64
+    bad.write_bytes(bytes(raw))
+    line = run_bad(capsys, ["--resume", str(bad), "--nproc", "1"], tmp_path)
+    assert str(bad) in line and "damaged" in line
+    assert "tensor model/tok_emb.weight does not match its checksum" in line
+    # Found the same way by the command itself, in a fresh process.
+    proc = subprocess.run([sys.executable, "-c", "import sys; from lab2_trainer.cli import "
+                           "main; sys.exit(main())", "--resume", str(bad), "--nproc", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr
+
+
+def test_non_finite_weights_with_good_checksums_are_refused(capsys, run_dir, tmp_path):
+    def poison(ckpt):
+        ckpt["optimizer"]["state"][1]["exp_avg_sq"].view(-1)[5] = float("inf")
+    bad = _damaged_copy(run_dir, tmp_path, poison)
+    line = run_bad(capsys, ["--resume", str(bad), "--nproc", "1"], tmp_path)
+    assert "tensor optimizer/state/1/exp_avg_sq holds 1 non-finite value" in line
+    assert str(bad) in line
+
+
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda c: c["optimizer"]["state"][0].update(exp_avg=torch.zeros(3, 3)),
+     "'exp_avg' of parameter 0 in param group 0 has shape [3, 3]"),
+    (lambda c: c["optimizer"]["param_groups"][0].pop("betas"), "lacks 'betas'"),
+    (lambda c: c["rng"].update(cpu=torch.zeros(7, dtype=torch.uint8)),
+     "its CPU random state is unusable"),
+    (lambda c: c["rng"].update(cpu=torch.zeros(5056)), "its CPU random state is unusable"),
+    (lambda c: c["model"].update({"pos_emb.weight": torch.zeros(31, 32)}),
+     "model tensor pos_emb.weight is [31, 32]"),
+    (lambda c: c["sampler"].update(draws=-3), "sampler position"),
+], ids=["optimizer-shape", "another-optimizer", "rng-size", "rng-dtype", "model-shape",
+        "sampler"])
+def test_checkpoints_that_do_not_fit_are_refused(capsys, run_dir, tmp_path, edit, fragment):
+    bad = _damaged_copy(run_dir, tmp_path, edit)
+    line = run_bad(capsys, ["--resume", str(bad), "--nproc", "1"], tmp_path)
+    assert fragment in line and str(bad) in line
+
+
+def test_sealed_checkpoints_round_trip_and_old_ones_still_load(run_dir, tmp_path):
+    ckpt = load_checkpoint(run_dir / "ckpt.pt")
+    assert ckpt["version"] == 2 and integrity.first_damage(ckpt) is None
+    ckpt["settings"]["lr"] = 1.0  # a changed setting is caught too
+    assert "settings and counters" in integrity.first_damage(ckpt)
+    old = dict(torch.load(run_dir / "ckpt.pt", weights_only=True), version=1)
+    old.pop("checksums")
+    torch.save(old, tmp_path / "v1.pt")
+    assert load_checkpoint(tmp_path / "v1.pt")["version"] == 1
+
+
+# ------------------------------------------------------------- flags and data
+@pytest.mark.parametrize(("extra", "fragment"), [
+    (["--clip", "nan"], "--clip must be a finite number"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be a finite number"),
+    (["--min-lr=-1e-3"], "--min-lr must be in [0, --lr"),
+    (["--clip", "-1"], "--clip must be >= 0"),
+    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--timeout", "inf"], "--timeout must be a finite number"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+    (["--eps", "nan"], "eps must be a number in (0, 1)"),
+])
+def test_non_finite_and_out_of_range_flags(capsys, corpus_dir, tmp_path, extra, fragment):
+    line = run_bad(capsys, [*TINY, "--data", str(corpus_dir), "--out", str(tmp_path / "o"),
+                            *extra], tmp_path)
+    assert fragment in line
+
+
+def test_out_naming_a_file_or_below_one(capsys, corpus_dir, tmp_path):
+    afile = tmp_path / "results.txt"
+    afile.write_text("keep me")
+    for out in (afile, afile / "run"):
+        line = run_bad(capsys, [*TINY, "--data", str(corpus_dir), "--out", str(out)], tmp_path)
+        assert "is a file" in line or "is not a folder" in line
+    assert afile.read_text() == "keep me"
+
+
+def test_negative_token_ids(capsys, tmp_path):
+    tokens = (np.arange(4000) % 50).astype(np.int32)
+    tokens[1234] = -7
+    np.save(tmp_path / "toks.npy", tokens)
+    line = run_bad(capsys, [*TINY, "--data", str(tmp_path / "toks.npy"), "--vocab-size", "50",
+                            "--out", str(tmp_path / "o")], tmp_path)
+    assert "negative token id -7 (at position 1234)" in line
+
+
+def test_a_model_larger_than_the_machine(capsys, tmp_path):
+    np.save(tmp_path / "toks.npy", (np.arange(4000) % 50).astype(np.uint16))
+    line = run_bad(capsys, [*TINY, "--data", str(tmp_path / "toks.npy"), "--vocab-size",
+                            "1000000000", "--out", str(tmp_path / "o")], tmp_path)
+    assert "64,000,021,664 parameters" in line and "available" in line
+
+
+# ------------------------------------------------------------- the output folder's claim
+def test_claims_held_stale_and_foreign(tmp_path):
+    out = tmp_path / "run"
+    with claim_folder(out) as claim:
+        info = json.loads((out / LOCK_NAME).read_text())
+        assert info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+        with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()}"):
+            claim_folder(out)  # another open file: the lock is held
+        assert claim.took_over is None
+    assert not (out / LOCK_NAME).exists()
+    # Stale: a pid that has exited, on this host.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    with claim_folder(out) as claim:
+        assert claim.took_over["pid"] == dead.pid
+        assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()
+    # Live (this very process) but not locked, and another host's: both refused.
+    for owner, fragment in (({"pid": os.getpid(), "host": socket.gethostname()}, "in use"),
+                            ({"pid": 1, "host": "elsewhere"}, "cannot be checked")):
+        (out / LOCK_NAME).write_text(json.dumps(owner))
+        with pytest.raises(UsageError, match=fragment):
+            claim_folder(out)
+        assert json.loads((out / LOCK_NAME).read_text()) == owner  # left alone
+    # A lock that is a symlink is not followed (a takeover would truncate its target).
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (out / LOCK_NAME).unlink()
+    (out / LOCK_NAME).symlink_to(precious)
+    with pytest.raises(UsageError, match="cannot claim"):
+        claim_folder(out)
+    assert precious.read_text() == "keep me"
+
+
+def test_stale_temporaries_are_removed_only_when_their_writer_is_gone(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = [f".ckpt.pt.{dead.pid}.tmp", f".metrics.jsonl.{os.getpid()}.tmp",
+             f".loss_curve.{dead.pid}.tmp.png", "ckpt.pt", ".hidden", "notes.tmp"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(clean_stale_temporaries(tmp_path, only_dead_writers=True)) == [
+        f".ckpt.pt.{dead.pid}.tmp", f".loss_curve.{dead.pid}.tmp.png"]
+    assert clean_stale_temporaries(tmp_path, only_dead_writers=False) == [
+        f".metrics.jsonl.{os.getpid()}.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden", "ckpt.pt", "notes.tmp"]
