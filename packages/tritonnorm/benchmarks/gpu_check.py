@@ -3,11 +3,12 @@
 Usage (from the repository root):
     PYTHONPATH=packages/tritonnorm/src python3 packages/tritonnorm/benchmarks/gpu_check.py \
         [--check] [--overhead] [--tune] [--tune-fwd] [--tune-large] [--tune-coop] \
-        [--table] [--large] [--baselines] [--budget-s S]
+        [--table] [--large] [--baselines] [--fused-add] [--budget-s S]
 
 Bandwidth = minimum bytes / median time (forward: read x + write y; forward+backward:
 also read x and dy and write dx), as a share of the copy bandwidth measured in the same
-run (read + write of a large device-to-device copy).
+run (read + write of a large device-to-device copy). ``--fused-add`` times
+``fused_add_rms_norm`` the same way (its minimum bytes are in ``fused_add_table``).
 
 Dry run on the CPU (tiny shapes, Triton's interpreter; catches crashes in this script):
     TN_DRYRUN=1 TRITON_INTERPRET=1 PYTHONPATH=packages/tritonnorm/src \
@@ -33,6 +34,7 @@ import tritonnorm
 from tritonnorm import (
     RMSNorm,
     RMSNormFunction,
+    fused_add_rms_norm,
     rms_norm,
     rms_norm_reference,
 )
@@ -43,6 +45,7 @@ from tritonnorm.ops.options import OPTIONS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROWS, HS = 50_000, (1024, 2048, 4096, 8192)
 LARGE_ROWS, LARGE_HS = 4096, (16384, 32768, 65536, 131072)
+FUSED_ADD_HS, FUSED_ADD_DTYPES = (1024, 4096), ("bfloat16", "float32")
 # TN_DRYRUN=1 (with TRITON_INTERPRET=1): tiny shapes on the CPU, to catch crashes in this
 # script before spending device time.
 DRY = os.environ.get("TN_DRYRUN") == "1"
@@ -51,7 +54,7 @@ DRY = os.environ.get("TN_DRYRUN") == "1"
 OUT = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="gpu_check-") if DRY else ".")
 DEV = "cpu" if DRY else "cuda"
 if DRY:
-    ROWS, HS, LARGE_ROWS = 5, (64,), 3
+    ROWS, HS, LARGE_ROWS, FUSED_ADD_HS = 5, (64,), 3, (64,)
 
 
 def sync():
@@ -592,10 +595,94 @@ def _plan(H, es, kind):
     return f"BLOCK_H={block_h} {cfg}"
 
 
+def fused_add_numerics(x, r, w, dy, ds):
+    """Relative errors of fused_add_rms_norm's y, sum, dx, dresidual, dweight against
+    float64 (the sum taken in float64 too: its rounding to x's dtype is within tol)."""
+    xa, ra, wa = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    y, s = fused_add_rms_norm(xa, ra, wa, 1e-5)
+    torch.autograd.backward((y, s), (dy, ds))
+    xr, rr, wr = (t.detach().double().requires_grad_() for t in (x, r, w))
+    sr = xr + rr
+    yr = rms_norm_reference(sr, wr)
+    torch.autograd.backward((yr, sr), (dy.double(), ds.double()))
+    errs = (rel(y, yr), rel(s, sr), rel(xa.grad, xr.grad), rel(ra.grad, rr.grad),
+            rel(wa.grad, wr.grad))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}[x.dtype]
+    return errs, max(errs) < tol
+
+
+def fused_add_table(bw):
+    """fused_add_rms_norm against torch.compile of (x + r) then torch.nn.RMSNorm, forward
+    and forward+backward, timed as ``table`` times (do_bench median).
+
+    Minimum bytes: forward reads x and r and writes y and the sum; backward reads dy,
+    dsum and the sum and writes dx (and dresidual where r's dtype differs from x's, never
+    here: r has x's dtype); forward+backward is the sum of the two.
+    """
+    torch._dynamo.config.cache_size_limit = 256
+    fails = 0
+    lines = ["| dtype | rows | H | impl | fwd ms | fwd % | fwd+bwd ms | fwd+bwd % |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, H in itertools.product(FUSED_ADD_DTYPES, FUSED_ADD_HS):
+        dt = DTYPES[name]
+        x, r, dy, ds = (torch.randn(ROWS, H, device=DEV, dtype=dt) for _ in range(4))
+        norm = torch.nn.RMSNorm(H, eps=1e-5, device=DEV, dtype=dt)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(H, device=DEV))
+        w = norm.weight  # shared: both implementations read (and grad) the same gain
+
+        def add_norm(x, r, norm=norm):
+            s = x + r
+            return norm(s), s
+
+        impls = {"tritonnorm": lambda x, r, w=w: fused_add_rms_norm(x, r, w, 1e-5),
+                 "compile(add+nn.RMSNorm)": torch.compile(add_norm)}
+        n = x.numel()
+        fwd_bytes = n * (2 * x.element_size() + r.element_size() + x.element_size())
+        bwd_bytes = n * (dy.element_size() + ds.element_size() + 2 * x.element_size())
+        if r.dtype != x.dtype:
+            bwd_bytes += n * r.element_size()
+        for iname, fn in impls.items():
+            try:
+                with torch.no_grad():
+                    f = bench(lambda fn=fn, x=x, r=r: fn(x, r))
+                for t in (x, r):
+                    t.requires_grad_(True)
+
+                def run(fn=fn, x=x, r=r, grads=(dy, ds)):
+                    torch.autograd.backward(fn(x, r), grads)
+
+                fb = bench(run, grad_to_none=[x, r, w])
+            except Exception as e:  # noqa: BLE001 - report and continue the sweep
+                log(f"{iname} {name} {H} failed: {type(e).__name__}: {e}")
+                continue
+            finally:
+                for t in (x, r, w):
+                    t.grad = None
+                for t in (x, r):
+                    t.requires_grad_(False)
+            if iname == "tritonnorm":
+                errs, ok = fused_add_numerics(x, r, w, dy, ds)
+                fails += not ok
+                log(f"numerics fused add {name} {ROWS}x{H}: {'ok' if ok else 'FAIL'} "
+                    + " ".join(f"{e:.1e}" for e in errs))
+            pf = fwd_bytes / f / 1e6 / bw * 100
+            pfb = (fwd_bytes + bwd_bytes) / fb / 1e6 / bw * 100
+            line = (f"| {name} | {ROWS} | {H} | {iname} | {f:.3f} | {pf:.0f} "
+                    f"| {fb:.3f} | {pfb:.0f} |")
+            lines.append(line)
+            log(line)
+    with open(os.path.join(OUT, "fused_add.md"), "w") as fh:
+        fh.write(f"copy bandwidth {bw:.0f} GB/s\n\nfused_add_rms_norm (y, x + r)\n\n"
+                 + "\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return fails
+
+
 def main():
     p = argparse.ArgumentParser()
     for flag in ("check", "overhead", "tune", "tune_fwd", "tune_large", "tune_coop", "table",
-                 "large", "baselines"):
+                 "large", "baselines", "fused_add"):
         p.add_argument("--" + flag.replace("_", "-"), action="store_true")
     p.add_argument("--budget-s", type=float, default=float("inf"))
     a = p.parse_args()
@@ -635,6 +722,8 @@ def main():
     if a.table:
         DEADLINE[0] = float("inf")
         fails += table(bw, a.baselines, a.large)
+    if a.fused_add:
+        fails += fused_add_table(bw)
     log(f"copy bandwidth (read+write): {bw:.0f} GB/s; total {time.time() - t0:.0f}s")
     sys.exit(1 if fails else 0)
 
