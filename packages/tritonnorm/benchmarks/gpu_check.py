@@ -1,17 +1,24 @@
 """GPU correctness check, tuning sweep and benchmark table for tritonnorm (run on a CUDA box).
 
 Usage (from the repository root):
-    PYTHONPATH=packages/tritonnorm/src python3 packages/tritonnorm/tests/gpu_check.py \
-        [--check] [--tune] [--table] [--large] [--baselines]
+    PYTHONPATH=packages/tritonnorm/src python3 packages/tritonnorm/benchmarks/gpu_check.py \
+        [--check] [--overhead] [--tune] [--tune-fwd] [--tune-large] [--tune-coop] \
+        [--table] [--large] [--baselines] [--fused-add] [--budget-s S]
 
 Bandwidth = minimum bytes / median time (forward: read x + write y; forward+backward:
 also read x and dy and write dx), as a share of the copy bandwidth measured in the same
-run (read + write of a large device-to-device copy).
+run (read + write of a large device-to-device copy). ``--fused-add`` times
+``fused_add_rms_norm`` the same way (its minimum bytes are in ``fused_add_table``).
+
+Dry run on the CPU (tiny shapes, Triton's interpreter; catches crashes in this script):
+    TN_DRYRUN=1 TRITON_INTERPRET=1 PYTHONPATH=packages/tritonnorm/src \
+        python3 packages/tritonnorm/benchmarks/gpu_check.py --check --table ...
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -24,12 +31,21 @@ import triton
 from triton.testing import do_bench
 
 import tritonnorm
-from tritonnorm import RMSNorm, RMSNormFunction, rms_norm, rms_norm_reference
+from tritonnorm import (
+    RMSNorm,
+    RMSNormFunction,
+    fused_add_rms_norm,
+    rms_norm,
+    rms_norm_reference,
+)
 from tritonnorm.ops import kernels
+from tritonnorm.ops import launch_config as lc
+from tritonnorm.ops.options import OPTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROWS, HS = 50_000, (1024, 2048, 4096, 8192)
 LARGE_ROWS, LARGE_HS = 4096, (16384, 32768, 65536, 131072)
+FUSED_ADD_HS, FUSED_ADD_DTYPES = (1024, 4096), ("bfloat16", "float32")
 # TN_DRYRUN=1 (with TRITON_INTERPRET=1): tiny shapes on the CPU, to catch crashes in this
 # script before spending device time.
 DRY = os.environ.get("TN_DRYRUN") == "1"
@@ -38,7 +54,7 @@ DRY = os.environ.get("TN_DRYRUN") == "1"
 OUT = os.environ.get("OUT") or (tempfile.mkdtemp(prefix="gpu_check-") if DRY else ".")
 DEV = "cpu" if DRY else "cuda"
 if DRY:
-    ROWS, HS, LARGE_ROWS = 5, (64,), 3
+    ROWS, HS, LARGE_ROWS, FUSED_ADD_HS = 5, (64,), 3, (64,)
 
 
 def sync():
@@ -257,7 +273,7 @@ def overhead():
     rstd = kernels.rms_norm_fwd(x, w, 1e-5)[1]
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     lines = []
-    can_direct = kernels.DIRECT_LAUNCH  # False under the interpreter or an old Triton
+    can_direct = OPTIONS.direct_launch  # False under the interpreter or an old Triton
     log(f"triton {triton.__version__}: direct launch available: {can_direct}")
 
     def rec(name, fn, grads=()):
@@ -291,18 +307,15 @@ def overhead():
     gc.disable()
     rec("rms_norm fwd+bwd, gc disabled", lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
     gc.enable()
-    kernels.DIRECT_LAUNCH = False
-    rec("rms_norm fwd+bwd, launch through the JIT", lambda: rms_norm(xg, wg).backward(dy),
-        (xg, wg))
-    kernels.DIRECT_LAUNCH = can_direct
-    kernels.FOLD_DW_SUM = False
-    rec("rms_norm fwd+bwd, dweight summed by a second kernel",
-        lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
-    kernels.DW_REDUCE = "torch"
-    rec("rms_norm fwd+bwd, dweight summed by torch (column sum + cast)",
-        lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
-    kernels.DW_REDUCE = "triton"
-    kernels.FOLD_DW_SUM = True
+    with OPTIONS.override(direct_launch=False):
+        rec("rms_norm fwd+bwd, launch through the JIT",
+            lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
+    with OPTIONS.override(fold_dw_sum=False):
+        rec("rms_norm fwd+bwd, dweight summed by a second kernel",
+            lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
+        with OPTIONS.override(dw_reduce="torch"):
+            rec("rms_norm fwd+bwd, dweight summed by torch (column sum + cast)",
+                lambda: rms_norm(xg, wg).backward(dy), (xg, wg))
     # Direct launches must give bitwise what the JIT launch gives, in every path.
     fails = 0
     cases = ((torch.bfloat16, 1024, 999), (torch.float32, 300, 37),
@@ -311,10 +324,9 @@ def overhead():
         x, w, dy = make(rows, H, dt)
         outs = []
         for direct in (False, True, True):
-            kernels.DIRECT_LAUNCH = direct and can_direct
-            y, r = kernels.rms_norm_fwd(x, w, 1e-5)
-            outs.append((y, *kernels.rms_norm_bwd(dy, x, w, r)))
-        kernels.DIRECT_LAUNCH = can_direct
+            with OPTIONS.override(direct_launch=direct and can_direct):
+                y, r = kernels.rms_norm_fwd(x, w, 1e-5)
+                outs.append((y, *kernels.rms_norm_bwd(dy, x, w, r)))
         for o in outs[1:]:
             if not all(torch.equal(a, b) for a, b in zip(outs[0], o)):
                 fails += 1
@@ -365,9 +377,9 @@ def tune(bw):
         es = x.element_size()
         _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
         name = f"{str(dt)[6:]} {rows}x{H}"
-        _, br0, bh, nw0, p0, _, rs0, st0 = kernels.bwd_plan(H, es)
+        bh, cfg0 = lc.bwd_config(H, es)
         keys = ("block_r", "num_warps", "programs_per_sm", "row_sum", "stages")
-        default = dict(zip(keys, (br0, nw0, p0, rs0, st0)))
+        default = {k: getattr(cfg0, k) for k in keys}
         cfgs = [default]
         # Tiles of 4-64 elements per thread; pipelined (stages > 1) or register-prefetched.
         for br, nw, per_sm, st, rs in itertools.product((1, 2, 4, 8), (4, 8, 16), (1, 2),
@@ -383,19 +395,19 @@ def tune(bw):
                      cfgs, bw)
         best = _better(res, default)
         if best is not None:
-            value = tuple(best[k] for k in keys)
-            kernels._BWD_TUNED[(es, bh)] = value
-            kernels.clear_plan_caches()
-            log(f"APPLY _BWD_TUNED[({es}, {bh})] = {value}")
+            value = lc.BwdConfig(**best)
+            lc.BWD_TUNED[(es, bh)] = value
+            lc.clear_plan_caches()
+            log(f"APPLY BWD_TUNED[({es}, {bh})] = {value}")
 
 
 def tune_large(bw):
     """Looped kernels at H = 65,536 and 131,072 (4,096 rows, bfloat16); winners applied."""
     data = [(H, *make(LARGE_ROWS, H, torch.bfloat16)) for H in (65536, 131072)]
-    fwd_cfgs = [(kernels.LOOP_CHUNK, kernels.LOOP_FWD_WARPS, kernels.LOOP_FWD_PER_SM),
+    fwd_cfgs = [(OPTIONS.loop_chunk, lc.LOOP.fwd_warps, lc.LOOP.fwd_programs_per_sm),
                 (8192, 16, 1), (16384, 16, 1), (16384, 32, 1), (32768, 32, 1), (16384, 16, 2),
                 (8192, 8, 1), (32768, 16, 1)]
-    bwd_cfgs = [(kernels.LOOP_CHUNK_BWD, kernels.LOOP_BWD_WARPS, kernels.LOOP_BWD_PER_SM),
+    bwd_cfgs = [(OPTIONS.loop_chunk_bwd, lc.LOOP.bwd_warps, lc.LOOP.bwd_programs_per_sm),
                 (4096, 8, 4), (8192, 8, 2), (8192, 16, 2), (4096, 4, 8), (2048, 4, 8),
                 (8192, 8, 4)]
     totals = {}
@@ -422,11 +434,16 @@ def tune_large(bw):
         log(f"LOOPED {kind}: default {grid[0]} {timed[grid[0]] * 1e3:.0f}us, "
             f"best {best} {timed[best] * 1e3:.0f}us")
         if timed[best] * 1.02 < timed[grid[0]]:
+            # The sweep ran bfloat16, where the looped forward's chunk is loop_chunk.
             if kind == "fwd":
-                kernels.LOOP_CHUNK, kernels.LOOP_FWD_WARPS, kernels.LOOP_FWD_PER_SM = best
+                OPTIONS.loop_chunk, warps, per_sm = best
+                lc.LOOP = dataclasses.replace(lc.LOOP, fwd_warps=warps,
+                                              fwd_programs_per_sm=per_sm)
             else:
-                kernels.LOOP_CHUNK_BWD, kernels.LOOP_BWD_WARPS, kernels.LOOP_BWD_PER_SM = best
-            kernels.clear_plan_caches()
+                OPTIONS.loop_chunk_bwd, warps, per_sm = best
+                lc.LOOP = dataclasses.replace(lc.LOOP, bwd_warps=warps,
+                                              bwd_programs_per_sm=per_sm)
+            lc.clear_plan_caches()
             log(f"APPLY looped {kind} (chunk, warps, per SM) = {best}")
     # H = 32,768: fused (one block per row) or looped forward?
     x, w, _ = make(LARGE_ROWS, 32768, torch.bfloat16)
@@ -436,14 +453,14 @@ def tune_large(bw):
                  lambda cfg: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg),
                  [fused, looped, dict(fused, num_warps=32)], bw)
     if res and res[0][2] is looped:
-        kernels.MAX_FUSED_BLOCK_FWD = 16384
-        kernels.clear_plan_caches()
-        log("APPLY MAX_FUSED_BLOCK_FWD = 16384")
+        OPTIONS.max_fused_block_fwd = 16384
+        lc.clear_plan_caches()
+        log("APPLY OPTIONS.max_fused_block_fwd = 16384")
     elif res and res[0][2]["num_warps"] == 32 and res[0][1] * 1.02 < min(
             r[1] for r in res if r[2] is fused):
-        kernels._FWD_TUNED[(2, 32768)] = (1, 32, 0)
-        kernels.clear_plan_caches()
-        log("APPLY _FWD_TUNED[(2, 32768)] = (1, 32, 0)")
+        lc.FWD_TUNED[(2, 32768)] = lc.FwdConfig(1, 32)
+        lc.clear_plan_caches()
+        log(f"APPLY FWD_TUNED[(2, 32768)] = {lc.FWD_TUNED[(2, 32768)]}")
 
 
 def tune_fwd(bw):
@@ -453,9 +470,9 @@ def tune_fwd(bw):
     for dt, H in cells:
         x, w, _ = make(ROWS, H, dt)
         es = x.element_size()
-        _, br0, bh, nw0, _, ch0 = kernels.fwd_plan(H, es)
+        bh, cfg0 = lc.fwd_config(H, es)
         keys = ("block_r", "num_warps", "chunk")
-        default = dict(zip(keys, (br0, nw0, ch0)))
+        default = {k: getattr(cfg0, k) for k in keys}
         cfgs = [default]
         for br, nw, ch in itertools.product((1, 2, 4, 8), (4, 8, 16),
                                             (0, 512, 1024, 2048, 4096)):
@@ -467,9 +484,10 @@ def tune_fwd(bw):
                      lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), cfgs, bw)
         best = _better(res, default)
         if best is not None:
-            kernels._FWD_TUNED[(es, bh)] = tuple(best[k] for k in keys)
-            kernels.clear_plan_caches()
-            log(f"APPLY _FWD_TUNED[({es}, {bh})] = {kernels._FWD_TUNED[(es, bh)]}")
+            # ``even`` was not swept: the timed launches used the table's.
+            lc.FWD_TUNED[(es, bh)] = dataclasses.replace(cfg0, **best)
+            lc.clear_plan_caches()
+            log(f"APPLY FWD_TUNED[({es}, {bh})] = {lc.FWD_TUNED[(es, bh)]}")
 
 
 def tune_coop(bw):
@@ -498,7 +516,7 @@ def tune_coop(bw):
                 key = (kind, es, cfg.get("coop_block", 0) * es, cfg.get("coop_warps", 0))
                 totals.setdefault(key, []).append(ms / nbytes)
     for kind in ("fwd", "bwd"):
-        table = kernels.COOP_FWD if kind == "fwd" else kernels.COOP_BWD
+        table = lc.COOP_FWD if kind == "fwd" else lc.COOP_BWD
         for es in sorted({k[1] for k in totals if k[0] == kind}):
             # Least summed time per byte over that element size's shapes (configs that
             # ran on all of them; key[2] == 0 is the two-pass baseline).
@@ -511,8 +529,8 @@ def tune_coop(bw):
             two_pass = sum(totals.get((kind, es, 0, 0), [float("nan")]))
             log(f"COOP {kind} {es}B: best (bytes, warps) {best}; two-pass / best = "
                 f"{two_pass / timed[best]:.2f}")
-            table[es] = best
-            log(f"APPLY COOP_{kind.upper()}[{es}] = {best}")
+            table[es] = lc.CoopConfig(*best)
+            log(f"APPLY COOP_{kind.upper()}[{es}] = {table[es]}")
 
 
 def cell_numerics(x, w, dy):
@@ -569,10 +587,102 @@ def table(bw, baselines, large):
     return fails
 
 
+def _plan(H, es, kind):
+    """The launch plan the current tables and options give rows of H (of es bytes)."""
+    if (lc.fwd_is_looped if kind == "fwd" else lc.bwd_is_looped)(H):
+        return "looped"
+    block_h, cfg = (lc.fwd_config if kind == "fwd" else lc.bwd_config)(H, es)
+    return f"BLOCK_H={block_h} {cfg}"
+
+
+def fused_add_numerics(x, r, w, dy, ds):
+    """Relative errors of fused_add_rms_norm's y, sum, dx, dresidual, dweight against
+    float64 (the sum taken in float64 too: its rounding to x's dtype is within tol)."""
+    xa, ra, wa = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    y, s = fused_add_rms_norm(xa, ra, wa, 1e-5)
+    torch.autograd.backward((y, s), (dy, ds))
+    xr, rr, wr = (t.detach().double().requires_grad_() for t in (x, r, w))
+    sr = xr + rr
+    yr = rms_norm_reference(sr, wr)
+    torch.autograd.backward((yr, sr), (dy.double(), ds.double()))
+    errs = (rel(y, yr), rel(s, sr), rel(xa.grad, xr.grad), rel(ra.grad, rr.grad),
+            rel(wa.grad, wr.grad))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}[x.dtype]
+    return errs, max(errs) < tol
+
+
+def fused_add_table(bw):
+    """fused_add_rms_norm against torch.compile of (x + r) then torch.nn.RMSNorm, forward
+    and forward+backward, timed as ``table`` times (do_bench median).
+
+    Minimum bytes: forward reads x and r and writes y and the sum; backward reads dy,
+    dsum and the sum and writes dx (and dresidual where r's dtype differs from x's, never
+    here: r has x's dtype); forward+backward is the sum of the two.
+    """
+    torch._dynamo.config.cache_size_limit = 256
+    fails = 0
+    lines = ["| dtype | rows | H | impl | fwd ms | fwd % | fwd+bwd ms | fwd+bwd % |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, H in itertools.product(FUSED_ADD_DTYPES, FUSED_ADD_HS):
+        dt = DTYPES[name]
+        x, r, dy, ds = (torch.randn(ROWS, H, device=DEV, dtype=dt) for _ in range(4))
+        norm = torch.nn.RMSNorm(H, eps=1e-5, device=DEV, dtype=dt)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(H, device=DEV))
+        w = norm.weight  # shared: both implementations read (and grad) the same gain
+
+        def add_norm(x, r, norm=norm):
+            s = x + r
+            return norm(s), s
+
+        impls = {"tritonnorm": lambda x, r, w=w: fused_add_rms_norm(x, r, w, 1e-5),
+                 "compile(add+nn.RMSNorm)": torch.compile(add_norm)}
+        n = x.numel()
+        fwd_bytes = n * (2 * x.element_size() + r.element_size() + x.element_size())
+        bwd_bytes = n * (dy.element_size() + ds.element_size() + 2 * x.element_size())
+        if r.dtype != x.dtype:
+            bwd_bytes += n * r.element_size()
+        for iname, fn in impls.items():
+            try:
+                with torch.no_grad():
+                    f = bench(lambda fn=fn, x=x, r=r: fn(x, r))
+                for t in (x, r):
+                    t.requires_grad_(True)
+
+                def run(fn=fn, x=x, r=r, grads=(dy, ds)):
+                    torch.autograd.backward(fn(x, r), grads)
+
+                fb = bench(run, grad_to_none=[x, r, w])
+            except Exception as e:  # noqa: BLE001 - report and continue the sweep
+                log(f"{iname} {name} {H} failed: {type(e).__name__}: {e}")
+                continue
+            finally:
+                for t in (x, r, w):
+                    t.grad = None
+                for t in (x, r):
+                    t.requires_grad_(False)
+            if iname == "tritonnorm":
+                errs, ok = fused_add_numerics(x, r, w, dy, ds)
+                fails += not ok
+                log(f"numerics fused add {name} {ROWS}x{H}: {'ok' if ok else 'FAIL'} "
+                    + " ".join(f"{e:.1e}" for e in errs))
+            pf = fwd_bytes / f / 1e6 / bw * 100
+            pfb = (fwd_bytes + bwd_bytes) / fb / 1e6 / bw * 100
+            line = (f"| {name} | {ROWS} | {H} | {iname} | {f:.3f} | {pf:.0f} "
+                    f"| {fb:.3f} | {pfb:.0f} |")
+            lines.append(line)
+            log(line)
+    with open(os.path.join(OUT, "fused_add.md"), "w") as fh:
+        fh.write(f"copy bandwidth {bw:.0f} GB/s\n\nfused_add_rms_norm (y, x + r)\n\n"
+                 + "\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return fails
+
+
 def main():
     p = argparse.ArgumentParser()
     for flag in ("check", "overhead", "tune", "tune_fwd", "tune_large", "tune_coop", "table",
-                 "large", "baselines"):
+                 "large", "baselines", "fused_add"):
         p.add_argument("--" + flag.replace("_", "-"), action="store_true")
     p.add_argument("--budget-s", type=float, default=float("inf"))
     a = p.parse_args()
@@ -604,15 +714,16 @@ def main():
         log(f"[{time.time() - t0:.0f}s]")
     if a.tune or a.tune_large:
         log("plans now: " + "; ".join(
-            f"{es}B H={H} fwd {kernels.fwd_plan(H, es)} bwd {kernels.bwd_plan(H, es)}"
+            f"{es}B H={H} fwd {_plan(H, es, 'fwd')} bwd {_plan(H, es, 'bwd')}"
             for es, H in itertools.product((4, 2), HS + LARGE_HS)))
-        log(f"looped: LOOP_CHUNK={kernels.LOOP_CHUNK} fwd warps/per_sm="
-            f"{kernels.LOOP_FWD_WARPS}/{kernels.LOOP_FWD_PER_SM} LOOP_CHUNK_BWD="
-            f"{kernels.LOOP_CHUNK_BWD} bwd warps/per_sm={kernels.LOOP_BWD_WARPS}/"
-            f"{kernels.LOOP_BWD_PER_SM} MAX_FUSED_BLOCK_FWD={kernels.MAX_FUSED_BLOCK_FWD}")
+        log(f"looped: loop_chunk={OPTIONS.loop_chunk} loop_chunk_bwd="
+            f"{OPTIONS.loop_chunk_bwd} {lc.LOOP} "
+            f"max_fused_block_fwd={OPTIONS.max_fused_block_fwd}")
     if a.table:
         DEADLINE[0] = float("inf")
         fails += table(bw, a.baselines, a.large)
+    if a.fused_add:
+        fails += fused_add_table(bw)
     log(f"copy bandwidth (read+write): {bw:.0f} GB/s; total {time.time() - t0:.0f}s")
     sys.exit(1 if fails else 0)
 
