@@ -1,3 +1,3 @@
 """lab2-trainer."""
 
-__version__ = "0.1.2"
+__version__ = "0.2.0"
