@@ -46,6 +46,20 @@ class ProfileResult:
     profiler: Any = None
 
 
+def export_chrome_trace(prof: Any, path: str | os.PathLike[str]) -> Path:
+    """``prof.export_chrome_trace`` written atomically: the profiler opens the path itself,
+    so it writes a temporary file beside ``path``, which then replaces it."""
+    path = Path(path)
+    tmp = temp_file_beside(path)
+    try:
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return path
+
+
 def _sort_key(use_cuda: bool, averages: Any) -> str:
     candidates = (["self_device_time_total", "self_cuda_time_total"] if use_cuda else []) + [
         "self_cpu_time_total"]
@@ -116,16 +130,7 @@ def profile(
     result.table = averages.table(sort_by=result.sort_by, row_limit=row_limit)
     result.table_path = atomic_write_text(out / f"{name}.table.txt", result.table + "\n")
 
-    # export_* write to a path they open themselves: write beside, then move into place.
-    trace_path = out / f"{name}.trace.json"
-    tmp = temp_file_beside(trace_path)
-    try:
-        prof.export_chrome_trace(tmp)
-        os.replace(tmp, trace_path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    result.trace_path = trace_path
+    result.trace_path = export_chrome_trace(prof, out / f"{name}.trace.json")
 
     if not with_stack:
         result.notes.append("stacks not written: with_stack=False")

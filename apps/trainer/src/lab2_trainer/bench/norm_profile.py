@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import os
 from typing import Any
 
@@ -165,15 +164,9 @@ def profile_norm(args: argparse.Namespace, preset: str, norm: str, *, mode: str,
             prof.step()
     averages = {evt.key: evt for evt in prof.key_averages()}
     if trace_path is not None:
-        from lab2bench.records import temp_file_beside
+        from lab2bench.profiling import export_chrome_trace
 
-        tmp = temp_file_beside(trace_path)
-        try:
-            prof.export_chrome_trace(tmp)
-            os.replace(tmp, trace_path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        export_chrome_trace(prof, trace_path)
     del model, optimizer, step, batch, prof
     free_memory(device)
 

@@ -78,3 +78,30 @@ def write_markdown_report(
     if notes:
         parts += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return atomic_write_text(Path(out_dir) / f"{name}.md", "\n".join(parts))
+
+
+def show_report(
+    out_dir: str | Path | None,
+    name: str,
+    *,
+    title: str,
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str],
+    headers: Mapping[str, str] | None = None,
+    floatfmt: str | Mapping[str, str] = ".3g",
+    preamble: Sequence[str] = (),
+    notes: Sequence[str] = (),
+) -> Path | None:
+    """Print the preamble, the table and the notes; with ``out_dir``, also write them to
+    ``<out_dir>/<name>.md`` (``write_markdown_report``) and return that path."""
+    print("\n".join(preamble))
+    print()
+    print(markdown_table(rows, columns, floatfmt, headers=headers) if rows
+          else "(no measurements)")
+    for note in notes:
+        print(f"note: {note}")
+    if out_dir is None:
+        return None
+    return write_markdown_report(out_dir, name, title=title, rows=rows, columns=columns,
+                                 headers=headers, floatfmt=floatfmt, preamble=preamble,
+                                 notes=notes)

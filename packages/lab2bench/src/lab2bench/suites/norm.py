@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from lab2bench.env import env_info
 from lab2bench.records import Recorder
-from lab2bench.report import markdown_table, plot_sweep, progress
-from lab2bench.suites.base import Suite, comma_list, positive_int, write_markdown_report
+from lab2bench.report import plot_sweep, progress
+from lab2bench.suites.base import Suite, comma_list, positive_int, show_report
 from lab2bench.suites.norm_impls import IMPLS, OURS, Unavailable, rms_norm_reference
 
 if TYPE_CHECKING:  # torch is imported by the functions that run, so that --help skips it
@@ -299,17 +299,11 @@ def run(args: argparse.Namespace) -> int:
                 f"replays of one call, device time only).",
                 "Minimum bytes: forward 2·N·H elements, forward+backward 5·N·H. "
                 "'×best alt' = fastest non-tritonnorm time / this time (>1: tritonnorm faster)."]
-    table = markdown_table(ok_rows, COLUMNS, FLOATFMT, headers=HEADERS) if ok_rows else ""
-    print("\n".join(preamble))
-    print()
-    print(table or "(no measurements)")
-    for note in notes:
-        print(f"note: {note}")
+    show_report(args.out or None, "norm", title="RMSNorm implementations", rows=ok_rows,
+                columns=COLUMNS, headers=HEADERS, floatfmt=FLOATFMT, preamble=preamble,
+                notes=notes)
     if args.out:
         out = Path(args.out)
-        write_markdown_report(out, "norm", title="RMSNorm implementations", rows=ok_rows,
-                              columns=COLUMNS, headers=HEADERS, floatfmt=FLOATFMT,
-                              preamble=preamble, notes=notes)
         for dtype_name in dict.fromkeys(r["dtype"] for r in ok_rows):
             for timing_name in timings:
                 subset = [r for r in ok_rows

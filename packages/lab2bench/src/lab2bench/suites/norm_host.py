@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab2bench.suites.base import Suite, comma_list, positive_int, write_markdown_report
+from lab2bench.suites.base import Suite, comma_list, positive_int, show_report
 
 NAME = "norm-host"
 DEFAULT_ROWS = 64
@@ -324,7 +324,6 @@ def run(args: argparse.Namespace) -> int:
     from lab2bench.devices import resolve_device
     from lab2bench.env import env_info
     from lab2bench.records import Recorder
-    from lab2bench.report import markdown_table
 
     device = resolve_device(args.device or ("cpu" if args.quick else None))
     quick = args.quick
@@ -377,18 +376,11 @@ def run(args: argparse.Namespace) -> int:
     ]
     if device.type != "cuda":
         preamble.append("On the CPU the figures include the arithmetic itself.")
-    table = markdown_table(ok_rows, COLUMNS, FLOATFMT, headers=HEADERS) if ok_rows else ""
-    print("\n".join(preamble))
-    print()
-    print(table or "(no measurements)")
-    for note in notes:
-        print(f"note: {note}")
-    if args.out:
-        out = Path(args.out)
-        write_markdown_report(out, NAME, title="RMSNorm host cost per call", rows=ok_rows,
-                              columns=COLUMNS, headers=HEADERS, floatfmt=FLOATFMT,
-                              preamble=preamble, notes=notes)
-        print(f"wrote {out / (NAME + '.jsonl')} and {out / (NAME + '.md')}", file=sys.stderr)
+    md = show_report(args.out or None, NAME, title="RMSNorm host cost per call", rows=ok_rows,
+                     columns=COLUMNS, headers=HEADERS, floatfmt=FLOATFMT, preamble=preamble,
+                     notes=notes)
+    if md is not None:
+        print(f"wrote {Path(args.out) / (NAME + '.jsonl')} and {md}", file=sys.stderr)
     return 1 if any(r["status"] == "failed" for r in rows) else 0
 
 
