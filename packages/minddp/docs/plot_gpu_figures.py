@@ -1,7 +1,9 @@
-"""Draw the README's two plots from the figures measured on 2 x H200 (tables in ../README.md).
+"""Draw the two plots of benchmarks.md from the figures measured on 2 x H200 on 2026-11-30.
 
-The numbers below are copied from those tables (runs of `lab2-train bench ddp` on the
-device machine); run `uv run python packages/minddp/docs/plot_gpu_figures.py` to redraw.
+The numbers below are copied from the tables in benchmarks.md (runs of `lab2-train bench
+ddp`, section "2026-11-30, 2 x H200 over NCCL"). To redraw:
+
+    uv run python packages/minddp/docs/plot_gpu_figures.py
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from lab2bench import plot_sweep
 
 HERE = Path(__file__).parent
 
-# Bucket sweep, medium preset, 32 x 512 tokens per GPU (second session): cap MB -> step ms.
+# Bucket sweep, medium preset, 32 x 512 tokens per GPU (2 x H200, recorded 2026-11-30 06:31 UTC):
+# cap MB -> step ms.
 SWEEP = {1: 133, 5: 146, 10: 141, 25: 134, 50: 116, 100: 115, 500: 116}
 TORCH_25MB_MS = 121
 
-# Third session: preset (parameters, millions) -> step time / PyTorch DDP's, 25 and 100 MB.
+# 2 x H200, recorded 2026-11-30 07:41 UTC: preset (parameters, millions) -> step time /
+# PyTorch DDP's, 25 and 100 MB.
 RATIO = {"small 64x512": (129, 1.00, 0.98), "medium 32x512": (424, 1.14, 0.99),
          "large 32x512": (970, 1.02, 0.98), "xl 16x512": (2000, 0.99, 0.98),
          "2.7B 16x512": (2700, 0.99, 0.99)}
