@@ -242,8 +242,15 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
             codes = [p.exitcode for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                # Give the others a moment to finish printing their own error line.
-                time.sleep(0.5)
+                # Give the others a moment to end (a rank stopped by a signal often ends
+                # just after the peer whose collective it broke) and to print their own
+                # error line, then read every exit code again: the first failure seen is
+                # not always the cause.
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+                    time.sleep(0.05)
+                time.sleep(0.2)
+                codes = [p.exitcode for p in procs]
                 why = watch.explain_stop(procs, timeout_s)
                 frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
                 for rank, code in enumerate(codes):
