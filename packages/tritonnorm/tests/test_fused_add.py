@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tn_numerics import TOL, rel_err
 
 import tritonnorm
+from lab2_testing.tn_numerics import TOL, rel_err
 from tritonnorm import FusedAddRMSNorm, FusedAddRMSNormFunction, fused_add_rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tn_numerics import TOL, dx_scale, rel_err
 from torch import nn
 
 import tritonnorm
+from lab2_testing.tn_numerics import TOL, dx_scale, rel_err
 from tritonnorm import RMSNorm, patching, replace_rms_norms
 from tritonnorm.patching import MachineEpsRMSNorm, to_tritonnorm
 
