@@ -1,8 +1,8 @@
-"""Load a helper module that sits beside a test file.
+"""Load a module by its file path, once per process.
 
-pytest's ``importlib`` import mode keeps test folders off ``sys.path``, so a test cannot
-``import`` the helper next to it. ``load_sibling(__file__, "helpers.py", "_pkg_helpers")``
-loads it by path once per process, under a name unique to the package, and returns it.
+``run_ranks`` (``lab2_testing.dist``) finds a rank function again in each spawned rank
+by the file it is defined in: that also works for test modules, which pytest's
+``importlib`` import mode does not make importable by name.
 """
 
 from __future__ import annotations
@@ -11,11 +11,6 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
-
-
-def load_sibling(anchor_file: str, filename: str, module_name: str) -> ModuleType:
-    """The module ``filename`` in ``anchor_file``'s folder, loaded once as ``module_name``."""
-    return load_path(Path(anchor_file).with_name(filename), module_name)
 
 
 def load_path(path: str | Path, module_name: str) -> ModuleType:

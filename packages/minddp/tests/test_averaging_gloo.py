@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lab2_testing import load_sibling, run_ranks
-
-programs = load_sibling(__file__, "rank_programs.py", "_minddp_rank_programs")
+from lab2_testing import rank_programs as programs
+from lab2_testing import run_ranks
 
 TOLERANCE = {"torch.float32": 1e-6, "torch.float64": 1e-14, "torch.bfloat16": 2e-2}
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from lab2_testing import load_sibling, run_ranks
-
-programs = load_sibling(__file__, "rank_programs.py", "_minddp_rank_programs")
-kit = programs.kit
+from lab2_testing import ddp_testkit as kit
+from lab2_testing import rank_programs as programs
+from lab2_testing import run_ranks
 
 
 def _reference(world_size: int, scenario: str) -> dict:

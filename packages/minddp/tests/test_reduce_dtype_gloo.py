@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab2_testing import load_sibling, run_ranks
+from lab2_testing import ddp_testkit as kit
+from lab2_testing import rank_programs as programs
+from lab2_testing import run_ranks
 from minddp import DDPBucketed
-
-programs = load_sibling(__file__, "rank_programs.py", "_minddp_rank_programs")
-kit = programs.kit
 
 # Norm-relative error of the averaged gradients against float64 single-process ones.
 TOLERANCE = {"float32": 1e-6, "bfloat16": 1.5e-2, "float16": 2e-3}

@@ -1,16 +1,14 @@
-"""tritonnorm test setup: where the Triton kernels can run, and shared numerics helpers."""
+"""tritonnorm test setup: where the Triton kernels can run.
+
+The numerics helpers (float64 references, tolerances) are ``lab2_testing.tn_numerics``.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-# pytest runs with --import-mode=importlib, which puts no test folder on sys.path; the
-# test modules import their helpers (tn_numerics) from here.
-sys.path.insert(0, os.path.dirname(__file__))
 
 # The interpreter only takes effect when TRITON_INTERPRET=1 is set before Triton is first
 # imported; the nox session `triton-interpret` sets it in the environment.

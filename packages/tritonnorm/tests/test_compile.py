@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tn_numerics import rel_err
 from torch import nn
 
 import tritonnorm
+from lab2_testing.tn_numerics import rel_err
 
 CUDA = torch.cuda.is_available()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tn_numerics import TOL, rel_err
 
+from lab2_testing.tn_numerics import TOL, rel_err
 from tritonnorm import RMSNorm, rms_norm_reference
 
 HAS_TORCH_RMSNORM = hasattr(torch.nn, "RMSNorm")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tn_numerics import TOL, dx_scale, random_inputs, reference_grads, rel_err
 
+from lab2_testing.tn_numerics import TOL, dx_scale, random_inputs, reference_grads, rel_err
 from tritonnorm import (
     RMSNormTorchFunction,
     rms_norm,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tn_numerics import TOL, dx_scale, rel_err
 from torch import nn
 
 import tritonnorm
+from lab2_testing.tn_numerics import TOL, dx_scale, rel_err, rms_norm_ref
 from tritonnorm import RMSNorm, patching, replace_rms_norms
 from tritonnorm.patching import MachineEpsRMSNorm, to_tritonnorm
 
@@ -33,11 +33,11 @@ class LlamaStyleRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
+        # Hugging Face's order: normalise in (at least) float32, round back, then the weight.
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        compute = torch.promote_types(input_dtype, torch.float32)
+        normed = rms_norm_ref(hidden_states, eps=self.variance_epsilon, dtype=compute)
+        return self.weight * normed.to(input_dtype)
 
 
 class Block(nn.Module):
@@ -151,8 +151,7 @@ def test_eps_none_table_follows_older_pytorch(monkeypatch):
     # PyTorch < 2.7 used the input dtype's own machine epsilon; the table asks torch which.
     def old_rms_norm(x, shape, weight=None, eps=None):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return rms_norm_ref(x, eps=eps, dtype=torch.float32).to(x.dtype)
 
     monkeypatch.setattr(patching, "_NONE_EPS", {})
     monkeypatch.setattr(torch.nn.functional, "rms_norm", old_rms_norm)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tn_numerics import TOL, dx_scale, random_inputs, reference_grads, rel_err
 
 import tritonnorm
+from lab2_testing.tn_numerics import TOL, dx_scale, random_inputs, reference_grads, rel_err
 from tritonnorm import RMSNormFunction, RMSNormTorchFunction, rms_norm_reference
 
 pytestmark = pytest.mark.triton

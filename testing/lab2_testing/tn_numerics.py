@@ -1,4 +1,5 @@
-"""Numerics helpers for the tritonnorm tests: float64 references and per-dtype tolerances."""
+"""Numerics helpers for the RMSNorm tests: the reference formula, float64 oracles and
+per-dtype tolerances."""
 
 from __future__ import annotations
 
@@ -22,20 +23,34 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) ->
     return diff / den
 
 
+def inv_rms(x, eps, dtype=torch.float64):
+    """r = rsqrt(mean(x^2) + eps) over the last dimension, computed in ``dtype``."""
+    x = x.to(dtype)
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x, weight=None, eps=1e-5, dtype=torch.float64):
+    """RMSNorm as the tests write it: x * r * weight in ``dtype`` (float64 unless asked
+    otherwise), ``r`` from ``inv_rms``; no weight when ``weight`` is None. Differentiable,
+    and the result stays in ``dtype``."""
+    x = x.to(dtype)
+    y = x * inv_rms(x, eps, dtype)
+    return y if weight is None else y * weight.to(dtype)
+
+
 def reference_grads(x, weight, grad_output, eps):
     """(y, dx, dweight) by autograd through the float64 formula: an oracle independent of
     the hand-derived backward."""
     xr = x.detach().double().requires_grad_()
     wr = weight.detach().double().requires_grad_()
-    y = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps) * wr
+    y = rms_norm_ref(xr, wr, eps)
     y.backward(grad_output.detach().double())
     return y.detach(), xr.grad, wr.grad
 
 
 def dx_scale(x, weight, grad_output, eps) -> float:
     """Size of the larger term of dx, r * g * dy, as a float64 norm."""
-    xd = x.detach().double()
-    r = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    r = inv_rms(x.detach(), eps)
     return (r * weight.detach().double() * grad_output.detach().double()).norm().item()
 
 

@@ -1,8 +1,8 @@
 """Models, data and training loops shared by minddp's distributed tests.
 
-Loaded by file path (see ``load_testkit`` in the test files), because pytest's
-importlib mode does not put the tests folder on ``sys.path``. Everything runs in
-float64 so that distributed and single-process training agree to ~1e-12.
+Used by the test files and by the rank programs (``lab2_testing.rank_programs``) alike.
+Everything runs in float64 so that distributed and single-process training agree to
+~1e-12.
 """
 
 from __future__ import annotations

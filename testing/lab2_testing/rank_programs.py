@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lab2_testing import load_sibling
+from lab2_testing import ddp_testkit as kit
 from minddp import (
     DDPBucketed,
     DDPIndividualParameters,
@@ -17,8 +17,6 @@ from minddp import (
     broadcast_module,
     check_model_consistency,
 )
-
-kit = load_sibling(__file__, "ddp_testkit.py", "_minddp_ddp_testkit")
 
 # ---- parity: every variant x model ----
 PARITY_STEPS = 3

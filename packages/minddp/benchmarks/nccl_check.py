@@ -1,4 +1,4 @@
-"""NCCL check for a machine with 2+ GPUs (not collected by pytest; CI has no GPU).
+"""NCCL check for a machine with 2+ GPUs (a script, not a test: CI has no GPU).
 
 DDPBucketed and DDPIndividualParameters train 3 AdamW steps in float64 on two GPUs, each
 rank on half of every batch and rank 1 starting from other weights (the wrapper must
@@ -6,7 +6,7 @@ broadcast rank 0's), and must match one process trained on the whole batch. It a
 reports whether NCCL's native AVG was used.
 
 Usage, from the repository root:
-    PYTHONPATH=packages/minddp/src python3 packages/minddp/tests/nccl_check.py
+    PYTHONPATH=packages/minddp/src python3 packages/minddp/benchmarks/nccl_check.py
 """
 
 from __future__ import annotations
