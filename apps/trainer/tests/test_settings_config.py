@@ -71,6 +71,7 @@ def test_toml_round_trip():
     ("eps = 1\n", "unknown setting 'eps'"),
     ("[model]\neps = -1.0\n", "eps must be a finite number >= 0"),
     ("clip = nan\n", "--clip must be a finite number"),
+    ("preset = 'huge'\n", "unknown preset 'huge'"),
 ])
 def test_bad_config_gives_one_line_and_writes_nothing(capsys, corpus_dir, tmp_path, text,
                                                       fragment):

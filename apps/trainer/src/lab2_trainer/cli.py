@@ -101,6 +101,9 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
             model.setdefault("vocab_size", train["vocab_size"])
     if args.preset is not None:
         train["preset"] = args.preset
+    if train.get("preset", "tiny") not in PRESETS:
+        raise UsageError(f"--config {args.config}: unknown preset {train['preset']!r}; choose "
+                         f"one of {', '.join(PRESETS)}")
     for cls, f in setting_fields():
         value = getattr(args, f.name, None)
         if value is None:
