@@ -141,7 +141,7 @@ def test_sealed_checkpoints_round_trip_and_old_ones_still_load(run_dir, tmp_path
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--timeout", "inf"], "--timeout must be a finite number"),
     (["--seed", "-1"], "--seed must be in [0, 2**63)"),
-    (["--eps", "nan"], "eps must be a number in (0, 1)"),
+    (["--eps", "nan"], "eps must be a finite number >= 0"),
 ])
 def test_non_finite_and_out_of_range_flags(capsys, corpus_dir, tmp_path, extra, fragment):
     line = run_bad(capsys, [*TINY, "--data", str(corpus_dir), "--out", str(tmp_path / "o"),

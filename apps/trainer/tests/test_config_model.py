@@ -46,7 +46,7 @@ def test_overrides_replace_fields_and_none_is_ignored():
         (dict(d_model=0), "d_model must be a positive integer"),
         (dict(norm="batchnorm"), "norm must be one of"),
         (dict(ffn="relu"), "ffn must be one of"),
-        (dict(eps=0.0), "eps must be"),
+        (dict(eps=-1e-6), "eps must be"),
         (dict(n_layers=2.5), "n_layers must be a positive integer"),
     ],
 )

@@ -18,82 +18,103 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer import __version__
-from lab2_trainer.config import NORM_KINDS, PRESETS, ModelConfig, model_config
+from lab2_trainer.config import PRESETS, ModelConfig, field_docs, model_config
 from lab2_trainer.errors import UsageError
+from lab2_trainer.settings import TrainSettings, flag, from_toml
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-MODEL_FLAGS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "context_length", "norm",
-               "eps", "tie_embeddings", "ffn")
-DEFAULT_CPU_RANKS = 2
+SETTINGS_NAME = "settings.toml"
+GROUPS = ("model", "data", "optimisation", "parallelism", "outputs")
+
+
+def setting_fields() -> list[tuple[type, Any]]:
+    """(class, field) of every setting with a flag: the model's, then the run's."""
+    return [(cls, f) for cls in (ModelConfig, TrainSettings) for f in fields(cls)
+            if f.metadata and f.metadata.get("flag", True)]
+
+
+def _default_text(cls: type, f) -> str:
+    meta = f.metadata
+    if cls is ModelConfig and f.name in PRESETS["tiny"]:
+        return f"the preset's; {PRESETS['tiny'][f.name]} in tiny"
+    if "default_text" in meta:
+        return meta["default_text"]
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return str(f.default)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line; every default is None so an explicit value can be told apart."""
+    """The command line, one flag per setting field (its type, choices and doc); every
+    default is None so that a given value can be told apart from the file's or the
+    field's default."""
     p = argparse.ArgumentParser(
         prog="lab2-train",
         description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1. "
         "`lab2-train bench --help` lists the benchmark suites.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=list(PRESETS), help="size preset (default tiny)")
-    m.add_argument("--d-model", type=int)
-    m.add_argument("--n-layers", type=int)
-    m.add_argument("--n-heads", type=int)
-    m.add_argument("--d-ff", type=int)
-    m.add_argument("--context-length", type=int)
-    m.add_argument("--norm", choices=list(NORM_KINDS), help="norm layer (default tritonnorm)")
-    m.add_argument("--eps", type=float)
-    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    m.add_argument("--ffn", choices=["swiglu", "gelu"])
-    d = p.add_argument_group("data")
-    d.add_argument("--data", help="text file, folder, or .npy/.bin token array "
-                   "(default: this Python's standard-library sources)")
-    d.add_argument("--vocab-size", type=int, help="vocabulary of a token-array --data")
-    t = p.add_argument_group("optimisation")
-    t.add_argument("--steps", type=int, help="optimizer steps (default 200)")
-    t.add_argument("--batch-size", type=int, help="global batch in sequences (default 32)")
-    t.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
-    t.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    t.add_argument("--min-lr", type=float, help="final learning rate (default 3e-4)")
-    t.add_argument("--warmup", type=int, help="warm-up steps (default 20)")
-    t.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
-    t.add_argument("--clip", type=float, help="gradient-norm clip, 0 = off (default 1.0)")
-    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="(default fp32)")
-    t.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
-    t.add_argument("--compile-backend", help="torch.compile backend (default inductor)")
-    t.add_argument("--compile-mode", help="torch.compile mode, e.g. max-autotune (default none)")
-    t.add_argument("--seed", type=int, help="seed of weights, data and samples (default 0)")
-    r = p.add_argument_group("parallelism")
-    r.add_argument("--nproc", type=int, help=f"local ranks to spawn (default {DEFAULT_CPU_RANKS} "
-                   "on CPU, 1 on GPU; ignored under torchrun)")
-    r.add_argument("--ddp", choices=["bucketed", "individual", "flat", "naive", "torch", "none"],
-                   help="gradient averaging (default bucketed with >1 rank, else none)")
-    r.add_argument("--bucket-mb", type=float, help="DDP bucket size in MiB (default 25)")
-    r.add_argument("--sharding", choices=["none", "zero1", "torch"],
-                   help="optimizer-state sharding (default zero1 with >1 rank, else none)")
-    r.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    r.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="how long a collective waits for the other ranks, and how long a "
-                   "rank may go silent, before the run fails naming it (default 300)")
-    o = p.add_argument_group("outputs")
-    o.add_argument("--out", help="output folder (default runs/<preset>-<time>)")
-    o.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
-                   help="continue from a checkpoint (file or run folder; alone: --out's, or "
-                   "the newest under runs/)")
-    o.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (default: at the end)")
-    o.add_argument("--eval-every", type=int, help="validate every N steps (default 50)")
-    o.add_argument("--eval-batches", type=int, help="batches per validation (default 8)")
-    o.add_argument("--log-every", type=int, help="log line every N steps off a terminal")
-    o.add_argument("--sample-tokens", type=int, help="length of the final sample (default 300)")
-    o.add_argument("--quiet", action="store_true", default=None, help="no console progress")
-    o.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
-                   help="draw loss_curve.png at the end (default on)")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help=f"read settings from a TOML file (a run folder's {SETTINGS_NAME} "
+                   "reruns that run); the flags given override it")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    groups["model"].add_argument("--preset", choices=list(PRESETS),
+                                 help="size preset (default tiny)")
+    for cls, f in setting_fields():
+        meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
+        kind = str(f.type).split(" |")[0]
+        kw: dict[str, Any] = {"dest": f.name, "default": None}
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = {"int": int, "float": float}.get(kind, str)
+        if meta.get("choices"):
+            kw["choices"] = list(meta["choices"])
+        kw.update({k: meta[k] for k in ("metavar", "nargs", "const") if k in meta})
+        text = f"{doc} (default {_default_text(cls, f)})"
+        groups[meta["group"]].add_argument(flag(f.name), help=text.replace("%", "%%"), **kw)
     return p
 
 
-def _explicit(args: argparse.Namespace, names) -> dict[str, Any]:
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings given: ``--config``'s file, then the flags over it.
+
+    Returns:
+        (run settings, model fields), only the keys given; ``preset`` among the first.
+
+    Raises:
+        UsageError: an unreadable or invalid ``--config`` file.
+    """
+    train: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    if args.config is not None:
+        source = f"--config {args.config}"
+        try:
+            text = Path(args.config).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{source}: cannot read it ({exc})") from None
+        try:
+            train, model = from_toml(text, source)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if "vocab_size" in train:
+            model.setdefault("vocab_size", train["vocab_size"])
+    if args.preset is not None:
+        train["preset"] = args.preset
+    if train.get("preset", "tiny") not in PRESETS:
+        raise UsageError(f"--config {args.config}: unknown preset {train['preset']!r}; choose "
+                         f"one of {', '.join(PRESETS)}")
+    for cls, f in setting_fields():
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if cls is ModelConfig:
+            model[f.name] = value
+            if f.name == "vocab_size":  # --vocab-size: the data's vocabulary, too
+                train[f.name] = value
+        else:
+            train[f.name] = value
+    return train, model
 
 
 def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
@@ -105,21 +126,16 @@ def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
     return found[-1]
 
 
-def _resolve_world(args: argparse.Namespace, device_type: str) -> tuple[int, bool]:
+def _torchrun_world() -> int | None:
     from lab2_trainer.distributed import launched_by_torchrun
 
-    if launched_by_torchrun():
-        return int(os.environ["WORLD_SIZE"]), True
-    nproc = args.nproc
-    if nproc is None:
-        nproc = DEFAULT_CPU_RANKS if device_type == "cpu" else 1
-    if nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {nproc}")
-    return nproc, False
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
 
 
-def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str):
-    """Turn the command line (and a checkpoint, when resuming) into checked settings.
+def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: str,
+                     torchrun_world: int | None = None):
+    """Turn the settings given (:func:`given_settings`) and a checkpoint, when resuming,
+    into resolved, checked settings for ``device_type``.
 
     Returns:
         (settings, corpus) with the corpus loaded once here, which also checks the data
@@ -127,24 +143,19 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
     """
     from lab2_trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, resolve_checkpoint_path
     from lab2_trainer.data import check_batch_layout, load_corpus
-    from lab2_trainer.settings import TRAJECTORY_FIELDS, TrainSettings
-    from lab2_trainer.validate_inputs import (
-        check_checkpoint_fits,
-        check_memory,
-        check_numbers,
-        check_out_path,
-    )
+    from lab2_trainer.settings import TRAJECTORY_FIELDS
+    from lab2_trainer.validate_inputs import check_checkpoint_fits, check_memory, check_out_path
 
-    model_overrides = _explicit(args, MODEL_FLAGS)
-    train_names = [f.name for f in fields(TrainSettings) if f.name not in ("model", "resume",
-                                                                            "out", "device_type")]
-    explicit = _explicit(args, train_names)
+    explicit, model_overrides = dict(given[0]), dict(given[1])
+    preset = explicit.pop("preset", None)
+    out = explicit.pop("out", None)
+    resume = explicit.pop("resume", None)
     ckpt = None
-    if args.resume is not None:
-        if args.resume:
-            path = resolve_checkpoint_path(args.resume)
-        elif args.out:
-            path = resolve_checkpoint_path(args.out)
+    if resume is not None:
+        if resume:
+            path = resolve_checkpoint_path(resume)
+        elif out:
+            path = resolve_checkpoint_path(out)
         else:
             path = _newest_run_checkpoint()
         ckpt = load_checkpoint(path)
@@ -153,8 +164,8 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
             saved_model = ModelConfig.from_dict(ckpt["model_config"])
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"checkpoint {path} has unusable settings: {exc}") from None
-        if args.preset is not None:
-            model_overrides = {**PRESETS[args.preset], **model_overrides}
+        if preset is not None:
+            model_overrides = {**PRESETS[preset], **model_overrides}
         for name, value in model_overrides.items():
             if getattr(saved_model, name) != value:
                 raise UsageError(
@@ -164,16 +175,19 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
         keep = {n: getattr(saved, n) for n in TRAJECTORY_FIELDS}
         keep.update({n: v for n, v in explicit.items()})
         settings = TrainSettings(model=saved_model, **keep)
-        settings.out = args.out or str(path.parent)
+        settings.out = out or str(path.parent)
         settings.resume = str(path)
     else:
         try:
-            model = model_config(args.preset or "tiny", **model_overrides)
+            model = model_config(preset or "tiny", **model_overrides)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        settings = TrainSettings(model=model, **explicit)
+        try:
+            settings = TrainSettings(model=model, **explicit)
+        except TypeError as exc:
+            raise UsageError(str(exc)) from None
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        settings.out = args.out or os.path.join("runs", f"{args.preset or 'tiny'}-{stamp}")
+        settings.out = out or os.path.join("runs", f"{preset or 'tiny'}-{stamp}")
         existing = Path(settings.out) / CHECKPOINT_NAME
         if existing.exists():
             from lab2_trainer.run_claim import in_use_message, live_claim
@@ -183,15 +197,13 @@ def resolve_settings(args: argparse.Namespace, world_size: int, device_type: str
                 raise UsageError(in_use_message(settings.out, owner))
             raise UsageError(f"{existing} exists: pass --resume to continue that run, or "
                              "choose another --out (nothing was overwritten)")
-    settings.device_type = device_type
-    settings.ddp = explicit.get("ddp", "bucketed" if world_size > 1 else "none")
-    settings.sharding = explicit.get("sharding", "zero1" if world_size > 1 else "none")
-    check_numbers(settings, getattr(args, "timeout", None))
-    check_out_path(settings.out)
     try:
+        # The defaults that depend on the device and the ranks: nproc, ddp, sharding.
+        world_size = settings.resolve(torchrun_world, device_type).nproc
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
     check_batch_layout(settings.batch_size, world_size, settings.grad_accum)
     corpus = load_corpus(settings.data, settings.vocab_size)
@@ -241,12 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         try:
-            device_type = D.resolve_device_type(args.device)
-            world_size, under_torchrun = _resolve_world(args, device_type)
-            settings, _ = resolve_settings(args, world_size, device_type)
-            timeout_s = args.timeout or D.DEFAULT_TIMEOUT_S
+            given = given_settings(args)
+            device_type = D.resolve_device_type(given[0].get("device", "auto"))
+            torchrun_world = _torchrun_world()
+            under_torchrun = torchrun_world is not None
+            settings, _ = resolve_settings(given, device_type, torchrun_world)
+            world_size, timeout_s = settings.nproc, settings.timeout
             if not under_torchrun or int(os.environ["RANK"]) == 0:
                 claim = _claim_out(settings)
+                _write_settings(settings)
         except UsageError as exc:
             return _error(str(exc))
         if under_torchrun:
@@ -305,6 +320,15 @@ def _claim_out(settings):
         print(f"lab2-train: note: removed {len(removed)} temporary file(s) left by interrupted "
               f"writes: {', '.join(removed)}", file=sys.stderr, flush=True)
     return claim
+
+
+def _write_settings(settings) -> None:
+    """The resolved settings as ``settings.toml`` in the run folder (atomically), which
+    ``--config`` takes back to rerun the run."""
+    from lab2_trainer.report import write_text_atomic
+    from lab2_trainer.settings import to_toml
+
+    write_text_atomic(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 
 
 def _preload(settings) -> None:

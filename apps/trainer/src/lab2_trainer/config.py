@@ -2,16 +2,123 @@
 
 ``model_config("small", n_layers=2)`` is the usual way to get one: a preset's fields with
 any of them overridden, checked before it is returned.
+
+Each field of :class:`ModelConfig` (and of :class:`lab2_trainer.settings.TrainSettings`)
+is one setting: its default, its choices and its check live in the field
+(:func:`setting`), its help text is the string literal right after it (read by
+:func:`field_docs` without importing anything), and ``lab2-train``'s flags are built from
+them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import math
+import sys
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
 FFN_KINDS = ("swiglu", "gelu")
+
+#: What a field's ``check`` may say, and the sentence a bad value gets.
+CHECKS = {
+    "positive_int": "must be a positive integer",
+    "int>=1": "must be >= 1",
+    "int>=0": "must be >= 0",
+    "seed": "must be in [0, 2**63)",
+    "finite": "must be a finite number",
+    "finite>0": "must be > 0",
+    "finite>=0": "must be >= 0",
+    "[0,1)": "must be in [0, 1)",
+    # The same range as tritonnorm.ops.validation.check_eps: finite and >= 0 (that module
+    # imports torch and triton, too slow to import for a command-line check).
+    "eps": "must be a finite number >= 0",
+}
+
+
+def setting(default: Any = None, *, choices: tuple[str, ...] | None = None,
+            check: str | None = None, group: str | None = None, **cli: Any) -> Any:
+    """A dataclass field that is also a command-line setting.
+
+    Args:
+        default: the default value.
+        choices: the allowed values of a string setting.
+        check: a key of :data:`CHECKS`: the range of a number.
+        group: the ``--help`` section of its flag.
+        **cli: how the flag is shown or parsed: ``default_text`` (the default as help
+            prints it, for defaults resolved later), ``metavar``, ``nargs`` and
+            ``const``; ``flag=False`` for a field with no flag.
+    """
+    if check is not None and check not in CHECKS:
+        raise ValueError(f"unknown check {check!r}")
+    meta = {"choices": choices, "check": check, "group": group, **cli}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_value(label: str, value: Any, meta: Any) -> None:
+    """Check one setting against its field's ``choices`` and ``check``.
+
+    Raises:
+        ValueError: ``"<label> must be ..., got <value>"``.
+    """
+    choices, check = meta.get("choices"), meta.get("check")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{label} must be one of {', '.join(choices)}; got {value!r}")
+    if check is None or value is None:
+        return
+    if check in ("positive_int", "int>=1", "int>=0", "seed"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "a positive integer" if check == "positive_int" else "an integer"
+            raise ValueError(f"{label} must be {what}, got {value!r}")
+        low = 0 if check == "int>=0" or check == "seed" else 1
+        if value < low or (check == "seed" and value >= 2**63):
+            raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
+        return
+    finite = _is_number(value) and math.isfinite(value)
+    if check == "eps":
+        ok = finite and value >= 0
+    elif not finite:
+        raise ValueError(f"{label} must be a finite number, got {value!r}")
+    else:
+        ok = {"finite": True, "finite>0": value > 0, "finite>=0": value >= 0,
+              "[0,1)": 0 <= value < 1}[check]
+    if not ok:
+        raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's doc: the string literal that follows it in the class body, its first
+    paragraph with whitespace collapsed (read with ``ast``; nothing is imported)."""
+    source = Path(sys.modules[cls.__module__].__file__).read_text(encoding="utf-8")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            body = node.body
+            break
+    else:
+        return {}
+    docs = {}
+    for this, after in zip(body, body[1:]):
+        if (isinstance(this, ast.AnnAssign) and isinstance(this.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[this.target.id] = " ".join(after.value.value.strip().split("\n\n")[0].split())
+    return docs
+
+
+def check_fields(obj: Any, label=lambda name: name) -> None:
+    """Run :func:`check_value` on every field of the dataclass ``obj``, in order."""
+    for f in dataclasses.fields(obj):
+        if f.metadata:
+            check_value(label(f.name), getattr(obj, f.name), f.metadata)
 
 
 @dataclass
@@ -21,26 +128,26 @@ class ModelConfig:
     Every field has a default so that ``ModelConfig()`` is a valid (tiny) model.
     """
 
-    vocab_size: int = 256
-    """Number of token ids; 256 for raw bytes."""
-    context_length: int = 128
+    vocab_size: int = setting(256, check="positive_int", group="data")
+    """Number of token ids: 256 for bytes (text), or the vocabulary of a token-array --data."""
+    context_length: int = setting(128, check="positive_int", group="model")
     """Longest sequence the model takes (size of the learned position table)."""
-    d_model: int = 128
+    d_model: int = setting(128, check="positive_int", group="model")
     """Width of the residual stream."""
-    n_layers: int = 4
+    n_layers: int = setting(4, check="positive_int", group="model")
     """Number of decoder blocks."""
-    n_heads: int = 4
+    n_heads: int = setting(4, check="positive_int", group="model")
     """Attention heads per block; must divide ``d_model``."""
-    d_ff: int = 512
+    d_ff: int = setting(512, check="positive_int", group="model")
     """Hidden width of the feed-forward layer."""
-    norm: str = "tritonnorm"
+    norm: str = setting("tritonnorm", choices=NORM_KINDS, group="model")
     """Norm layer: "tritonnorm" (fused RMSNorm), "reference" (RMSNorm with a hand-derived
     backward in plain PyTorch), "torch" (``torch.nn.RMSNorm``) or "layernorm"."""
-    eps: float = 1e-5
+    eps: float = setting(1e-5, check="eps", group="model")
     """Epsilon inside the norm's square root."""
-    tie_embeddings: bool = False
+    tie_embeddings: bool = setting(False, group="model")
     """Share the token embedding matrix with the output (LM head) projection."""
-    ffn: str = "swiglu"
+    ffn: str = setting("swiglu", choices=FFN_KINDS, group="model")
     """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
 
     def validate(self) -> ModelConfig:
@@ -49,21 +156,12 @@ class ModelConfig:
         Returns:
             ``self``, so that ``ModelConfig(...).validate()`` chains.
         """
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self)
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
                 f"(each head needs d_model / n_heads dimensions)"
             )
-        if self.norm not in NORM_KINDS:
-            raise ValueError(f"norm must be one of {', '.join(NORM_KINDS)}; got {self.norm!r}")
-        if self.ffn not in FFN_KINDS:
-            raise ValueError(f"ffn must be one of {', '.join(FFN_KINDS)}; got {self.ffn!r}")
-        if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
-            raise ValueError(f"eps must be a number in (0, 1), got {self.eps!r}")
         return self
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -42,6 +43,25 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+#: Distributions whose versions summary.json records (None: not installed).
+VERSIONED = ("lab2-trainer", "tritonnorm", "minddp", "zero1", "lab2bench", "torch", "triton")
+
+
+def provenance() -> dict[str, Any]:
+    """What a run ran on, for summary.json: ``versions`` of :data:`VERSIONED` (read from
+    the installed metadata, so nothing is imported) and ``git``, lab2bench's record of
+    the working directory's checkout (``{"commit", "dirty"}``, or None outside one)."""
+    from lab2bench.env import git_commit
+
+    versions: dict[str, str | None] = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"versions": versions, "git": git_commit()}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

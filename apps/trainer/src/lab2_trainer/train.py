@@ -53,7 +53,13 @@ from lab2_trainer.parallel import (
     load_full_optimizer_state,
 )
 from lab2_trainer.prefetch import Prefetcher
-from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, write_text_atomic
+from lab2_trainer.report import (
+    SAMPLE_NAME,
+    RunReporter,
+    bytes_as_text,
+    provenance,
+    write_text_atomic,
+)
 from lab2_trainer.schedule import WarmupCosine, set_lr
 from lab2_trainer.settings import TrainSettings
 
@@ -307,6 +313,7 @@ class Trainer:
             "parameters": self.model.num_parameters(),
         }
         if reporter is not None:
+            summary.update(provenance())
             outputs = {"metrics": str(out / "metrics.jsonl"), "checkpoint": str(ckpt_path)}
             plot = reporter.plot(entropy) if s.plot else None
             if plot is not None:

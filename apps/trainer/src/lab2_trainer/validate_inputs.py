@@ -1,8 +1,9 @@
 """Checks of the command line, the machine and a checkpoint that must pass before any rank
 starts: so that bad input costs one line on stderr, exit code 2, and no file written.
 
-* :func:`check_numbers`: every float setting finite and in range (``--clip nan`` used to
-  switch clipping off silently; ``--lr inf`` trained on NaNs), the seed in range;
+(Each setting's own range, e.g. ``--clip nan`` or ``--lr inf``, is its field's check in
+:mod:`lab2_trainer.settings`, run by ``TrainSettings.validate``.)
+
 * :func:`check_out_path`: ``--out`` is a folder, or can become one;
 * :func:`check_memory`: the model, its gradients and AdamW state (plus the logits of one
   micro-batch) fit the memory this machine has (a lower bound: a run refused here could
@@ -14,7 +15,6 @@ starts: so that bad input costs one line on stderr, exit code 2, and no file wri
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,43 +24,6 @@ from lab2_trainer.errors import UsageError
 GIB = 1024**3
 # Per process: the interpreter, torch and the data maps (a lower bound).
 PROCESS_BYTES = 200 * 1024**2
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_numbers(settings: Any, timeout_s: float | None = None) -> None:
-    """Every float setting finite and in range; the seed a valid generator seed.
-
-    Raises:
-        UsageError: naming the first bad flag.
-    """
-    s = settings
-    floats = {"lr": s.lr, "min_lr": s.min_lr, "weight_decay": s.weight_decay, "clip": s.clip,
-              "bucket_mb": s.bucket_mb, "beta1": s.beta1, "beta2": s.beta2, "eps": s.model.eps}
-    if timeout_s is not None:
-        floats["timeout"] = timeout_s
-    for name, value in floats.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
-            raise UsageError(f"{_flag(name)} must be a finite number, got {value!r}")
-    if not s.lr > 0:
-        raise UsageError(f"--lr must be > 0, got {s.lr}")
-    if not 0 <= s.min_lr <= s.lr:
-        raise UsageError(f"--min-lr must be in [0, --lr = {s.lr}], got {s.min_lr}")
-    for name in ("weight_decay", "clip"):
-        if floats[name] < 0:
-            raise UsageError(f"{_flag(name)} must be >= 0, got {floats[name]}")
-    if not s.bucket_mb > 0:
-        raise UsageError(f"--bucket-mb must be > 0, got {s.bucket_mb}")
-    for name in ("beta1", "beta2"):
-        if not 0 <= floats[name] < 1:
-            raise UsageError(f"{name} must be in [0, 1), got {floats[name]}")
-    if timeout_s is not None and not timeout_s > 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {timeout_s}")
-    if not 0 <= s.seed < 2**63:
-        raise UsageError(f"--seed must be in [0, 2**63), got {s.seed}")
 
 
 def check_out_path(out: str) -> None:
