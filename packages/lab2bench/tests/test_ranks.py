@@ -19,3 +19,19 @@ def test_launcher_rejects_bad_world_size_and_leaves_env():
         spawn_ranks(ping, 0, {})
     assert os.environ.get("OMP_NUM_THREADS") == before
     assert threads_per_rank(2) >= 1
+
+
+def test_core_names_the_failing_rank_and_removes_its_rendezvous(tmp_path, monkeypatch):
+    import tempfile
+
+    from lab2bench.ranks import RankGroup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RankError) as info, \
+            RankGroup(ping, 2, {"fail_rank": 0}, pg_timeout=60) as group:
+        assert group.tmp is not None and os.path.isdir(group.tmp)
+        group.collect(120)
+    assert info.value.kind == "raised" and info.value.rank == 0
+    assert "fails on purpose" in info.value.detail
+    assert not list(tmp_path.iterdir())
+    assert all(not p.is_alive() for p in group.procs)

@@ -26,6 +26,7 @@ import torch
 
 from lab2_trainer.checkpoint_integrity import first_damage, first_non_finite, seal
 from lab2_trainer.errors import UsageError
+from lab2bench.records import atomic_write
 
 FORMAT = "lab2-trainer-checkpoint"
 VERSION = 2
@@ -46,16 +47,7 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         obj = seal(obj)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

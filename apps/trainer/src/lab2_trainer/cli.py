@@ -325,10 +325,10 @@ def _claim_out(settings):
 def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
-    from lab2_trainer.report import write_text_atomic
     from lab2_trainer.settings import to_toml
+    from lab2bench.records import atomic_write_text
 
-    write_text_atomic(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
+    atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 
 
 def _preload(settings) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from lab2_trainer.errors import UsageError
+from lab2bench.records import atomic_write
 
 VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
 TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")
@@ -106,10 +107,7 @@ def cache_dir() -> Path:
 
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.save(f, array))
 
 
 def load_stdlib_corpus(*, use_cache: bool = True) -> Corpus:

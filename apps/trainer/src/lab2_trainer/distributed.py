@@ -8,13 +8,9 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are read.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -33,6 +29,8 @@ from lab2_trainer.supervise import (
     exit_code_for,
     is_timeout_error,
 )
+from lab2bench.ranks import EXITED, RankError, RankGroup, rank_watch
+from lab2bench.ranks import threads_per_rank as _threads_per_rank
 
 # Exit code of a rank that stopped on bad input (it already printed one line).
 EXIT_BAD_INPUT = 2
@@ -128,27 +126,17 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
 
 def threads_per_rank(local_world: int) -> int:
     """CPU threads for each of ``local_world`` ranks sharing this machine's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, local_world))
+    return _threads_per_rank(local_world)
 
 
-def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeout_s: float,
-               fn: Callable[..., Any], args: tuple, watch: RankWatch | None = None) -> None:
-    # First of all: die with the launcher, and take SIGTERM like Ctrl-C.
-    guard = watch.start_rank(rank) if watch is not None else None
-    torch.set_num_threads(threads_per_rank(world))
-    os.environ["LOCAL_RANK"] = str(rank)
+def _rank_main(rank: int, world: int, spec: tuple) -> None:
+    """One local rank (its process group is up): run ``fn(ctx, *args)``; on failure print
+    one message and exit with the run's code."""
+    device_type, timeout_s, fn, args = spec
+    watch = rank_watch()
     try:
         device = rank_device(device_type, rank)
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        try:
-            fn(DistContext(rank, world, rank, device), *args)
-        finally:
-            dist.destroy_process_group()
+        fn(DistContext(rank, world, rank, device), *args)
     except UsageError as exc:
         print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
@@ -167,28 +155,6 @@ def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeou
             print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
                   flush=True)
         sys.exit(1)
-    finally:
-        if guard is not None:
-            guard.stop()
-
-
-def _stop_ranks(procs: list, frozen: tuple[int, ...] = ()) -> None:
-    """SIGKILL for the ranks in ``frozen`` (they cannot stop in order, and their peers'
-    collectives fail at once when they are gone); SIGTERM (the ranks' orderly stop) and
-    SIGCONT for the others; then SIGKILL for any left after 5 s."""
-    for rank in frozen:
-        procs[rank].kill()
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            with contextlib.suppress(OSError):
-                os.kill(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -201,18 +167,51 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _say(line: str) -> None:
+    print(f"lab2-train: {line}", file=sys.stderr, flush=True)
+
+
+def _report_failure(group: RankGroup, failed_rank: int | None, timeout_s: float) -> int:
+    """After a rank failed: name what stopped (killed, signalled, frozen) and return the
+    first failing exit code."""
+    procs, watch = group.procs, group.watch
+    if failed_rank is not None:  # it reported its failure; its exit code follows
+        procs[failed_rank].join(timeout=5)
+    # Give the others a moment to end (a rank stopped by a signal often ends just after
+    # the peer whose collective it broke) and to print their own error line, then read
+    # every exit code: the first failure seen is not always the cause.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    codes = [p.exitcode for p in procs]
+    why = watch.explain_stop(procs, timeout_s)
+    group.frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0:
+            _say(f"rank {rank} (pid {procs[rank].pid}) was killed by {_signal_name(-code)}")
+        elif code in (130, 143):  # a signal to the rank alone: it stopped in order
+            _say(f"rank {rank} (pid {procs[rank].pid}) was stopped by "
+                 f"{'SIGTERM' if code == 143 else 'SIGINT'}")
+    if why:
+        _say(why)
+    failed = [c for c in codes if c not in (None, 0)]
+    return (failed[0] if failed[0] > 0 else 1) if failed else 1
+
+
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Run ``fn(ctx, *args)`` on ``nproc`` local ranks; return the first failing exit code
     (0 when all succeed).
 
-    On the CPU the ranks are forked (this process has imported torch already, which takes
-    seconds on a small machine; a fork shares it); on GPUs they are spawned fresh, since a
-    fork must not inherit a CUDA context. When one rank fails, the others are stopped at
-    once instead of waiting in a collective for the timeout. The ranks die with this
-    process (:mod:`lab2_trainer.supervise`); a rank without a heartbeat for ``timeout_s``
-    ends the run, named. SIGTERM here (see :func:`supervise.install_termination_handler`)
-    stops the ranks in order, like Ctrl-C; the rendezvous folder is always removed.
+    The ranks are :class:`lab2bench.ranks.RankGroup`'s. On the CPU they are forked (this
+    process has imported torch already, which takes seconds on a small machine; a fork
+    shares it); on GPUs they are spawned fresh, since a fork must not inherit a CUDA
+    context. When one rank fails, the others are stopped at once instead of waiting in a
+    collective for the timeout. The ranks die with this process
+    (:mod:`lab2bench.supervise`); a rank without a heartbeat for ``timeout_s`` ends the
+    run, named. SIGTERM here (see :func:`supervise.install_termination_handler`) stops the
+    ranks in order, like Ctrl-C; the rendezvous folder is always removed.
 
     Args:
         nproc: number of ranks.
@@ -223,67 +222,26 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
     """
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} needs {nproc} GPUs; {torch.cuda.device_count()} visible")
-    ctx = mp.get_context("fork" if device_type == "cpu" else "spawn")
-    tmp = tempfile.mkdtemp(prefix="lab2-train-rdzv-")
-    init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
-    watch = RankWatch(ctx, nproc, tmp)
-    saved_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
-    procs = []
-    frozen: tuple[int, ...] = ()
-    try:
-        for rank in range(nproc):
-            p = ctx.Process(target=_rank_main,
-                            args=(rank, nproc, init_method, device_type, timeout_s, fn, args,
-                                  watch))
-            p.start()
-            procs.append(p)
-        while True:
-            codes = [p.exitcode for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                # Give the others a moment to end (a rank stopped by a signal often ends
-                # just after the peer whose collective it broke) and to print their own
-                # error line, then read every exit code again: the first failure seen is
-                # not always the cause.
-                deadline = time.monotonic() + 1.0
-                while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-                    time.sleep(0.05)
-                time.sleep(0.2)
-                codes = [p.exitcode for p in procs]
-                why = watch.explain_stop(procs, timeout_s)
-                frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
-                for rank, code in enumerate(codes):
-                    if code is not None and code < 0:
-                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was killed by "
-                              f"{_signal_name(-code)}", file=sys.stderr, flush=True)
-                    elif code in (130, 143):  # a signal to the rank alone: it stopped in order
-                        print(f"lab2-train: rank {rank} (pid {procs[rank].pid}) was stopped by "
-                              f"{'SIGTERM' if code == 143 else 'SIGINT'}", file=sys.stderr,
-                              flush=True)
-                if why:
-                    print(f"lab2-train: {why}", file=sys.stderr, flush=True)
-                return failed[0] if failed[0] > 0 else 1
-            if all(c == 0 for c in codes):
-                return 0
-            silent = watch.silent_ranks(procs, timeout_s)
-            if silent:
-                frozen = tuple(r for r, _ in silent)
-                names = ", ".join(f"rank {r} (pid {procs[r].pid})" for r, _ in silent)
-                print(f"lab2-train: {names} stopped answering: no heartbeat for "
-                      f"{max(q for _, q in silent):.0f} s (--timeout {timeout_s:g}); stopped "
-                      "or frozen. Ending the run.", file=sys.stderr, flush=True)
+    group = RankGroup(_rank_main, nproc, (device_type, timeout_s, fn, args),
+                      device=device_type, pg_timeout=timeout_s,
+                      threads=threads_per_rank(nproc),
+                      start_method="fork" if device_type == "cpu" else "spawn",
+                      rdzv_prefix="lab2-train-rdzv-", stop_grace=5.0, daemon=False,
+                      watch_type=RankWatch)
+    with group:
+        try:
+            group.collect(silence_limit=timeout_s)
+            return 0
+        except RankError as exc:
+            if exc.kind == "silent":
+                _say(f"{exc} (--timeout {timeout_s:g}); stopped or frozen. Ending the run.")
                 return 1
-            procs[codes.index(None)].join(timeout=0.2)
-    except KeyboardInterrupt as exc:
-        code = exit_code_for(exc)
-        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}: stopping "
-              "the ranks; the last checkpoint is intact", file=sys.stderr, flush=True)
-        return code
-    finally:
-        _stop_ranks(procs, frozen)
-        if saved_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_threads
-        shutil.rmtree(tmp, ignore_errors=True)
+            if exc.kind == "raised" and EXITED not in (exc.detail.splitlines() or [EXITED])[0]:
+                # It failed before it could speak for itself (joining the process group).
+                _say(f"rank {exc.rank} failed:\n{exc.detail}")
+            return _report_failure(group, exc.rank, timeout_s)
+        except KeyboardInterrupt as exc:
+            code = exit_code_for(exc)
+            _say(f"{'stopped by SIGTERM' if code == 143 else 'interrupted'}: stopping the "
+                 "ranks; the last checkpoint is intact")
+            return code

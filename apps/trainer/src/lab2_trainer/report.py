@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import os
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from lab2bench.records import atomic_write, atomic_write_text
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"
@@ -36,13 +37,6 @@ def bytes_as_text(data: bytes) -> str:
     text = data.decode("utf-8", errors="backslashreplace")
     return "".join(ch if ch in "\n\t" or unicodedata.category(ch)[0] != "C"
                    else ascii(ch)[1:-1] for ch in text)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 #: Distributions whose versions summary.json records (None: not installed).
@@ -100,7 +94,7 @@ class RunReporter:
         # A resumed run keeps the records up to its checkpoint and drops any later ones
         # (written by the interrupted run after that checkpoint).
         kept = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= start_step]
-        write_text_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self.history = kept
         self._file = open(self.metrics_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self.progress: Progress | None = None
@@ -171,16 +165,16 @@ class RunReporter:
         ax.legend()
         fig.tight_layout()
         path = self.out / PLOT_NAME
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-        fig.savefig(tmp, dpi=120)
-        plt.close(fig)
-        os.replace(tmp, path)
+        try:
+            atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        finally:
+            plt.close(fig)
         return path
 
     def summary(self, summary: dict[str, Any], outputs: dict[str, str]) -> None:
         """Write summary.json and print the final figures and where every output went."""
         summary = dict(summary, outputs=outputs)
-        write_text_atomic(self.out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
         table = Table(title="lab2-train summary", show_header=False, title_justify="left")
         table.add_column(style="bold")
         table.add_column()

@@ -42,8 +42,8 @@ LOCK_NAME = ".lab2-train.lock"
 # A lock "file" that is a symlink is never followed: a takeover must not truncate whatever
 # it points to.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-# Temporary files of interrupted atomic writes: .<name>.<pid>.tmp, and the plot's
-# .<stem>.<pid>.tmp.png (see checkpoint.save_atomic and report.write_text_atomic).
+# Temporary files of interrupted atomic writes: .<name>[.<random>].<pid>.tmp (see
+# lab2bench.records.atomic_write), and .<stem>.<pid>.tmp.png of earlier versions.
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.png)?$")
 
 

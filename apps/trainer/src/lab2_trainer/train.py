@@ -53,15 +53,10 @@ from lab2_trainer.parallel import (
     load_full_optimizer_state,
 )
 from lab2_trainer.prefetch import Prefetcher
-from lab2_trainer.report import (
-    SAMPLE_NAME,
-    RunReporter,
-    bytes_as_text,
-    provenance,
-    write_text_atomic,
-)
+from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.schedule import WarmupCosine, set_lr
 from lab2_trainer.settings import TrainSettings
+from lab2bench.records import atomic_write_text
 
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
@@ -320,7 +315,7 @@ class Trainer:
                 outputs["loss curve"] = str(plot)
             if s.sample_tokens:
                 text = self.sample(s.sample_tokens)
-                write_text_atomic(out / SAMPLE_NAME, text)
+                atomic_write_text(out / SAMPLE_NAME, text)
                 outputs["sample"] = str(out / SAMPLE_NAME)
                 if not s.quiet:
                     reporter.print("[bold]sample:[/bold]")

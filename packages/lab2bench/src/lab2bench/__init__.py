@@ -26,7 +26,8 @@ _EXPORTS = {
     "peak_memory": "memory", "tensor_bytes": "memory",
     "ProfileResult": "profiling", "label": "profiling", "profile": "profiling",
     "RankError": "ranks", "spawn_ranks": "ranks",
-    "Recorder": "records", "atomic_write_bytes": "records", "atomic_write_text": "records",
+    "Recorder": "records", "atomic_write": "records", "atomic_write_bytes": "records",
+    "atomic_write_text": "records",
     "read_records": "records", "write_jsonl": "records",
     "markdown_table": "report", "plot_sweep": "report", "progress": "report",
     "Suite": "suites", "register_suite": "suites",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from lab2bench.ranks import RankError, spawn_ranks
     from lab2bench.records import (
         Recorder,
+        atomic_write,
         atomic_write_bytes,
         atomic_write_text,
         read_records,
@@ -82,6 +84,7 @@ __all__ = [
     "Recorder",
     "Stats",
     "Suite",
+    "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",
     "comm",

@@ -7,12 +7,12 @@ import datetime as _dt
 import json
 import math
 import os
-import tempfile
+import secrets
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lab2bench.env import env_info
 
@@ -36,26 +36,39 @@ def _fsync_dir(path: Path) -> None:
 def temp_file_beside(target: str | os.PathLike[str]) -> str:
     """Create an empty temporary file in ``target``'s folder, with the permissions a
     plain ``open()`` would give, and return its path; ``os.replace`` it onto
-    ``target`` once written (for writers that take a path, like profiler exports)."""
+    ``target`` once written (for writers that take a path, like profiler exports).
+
+    It is named ``.<name>.<pid>.tmp`` (``.<name>.<random>.<pid>.tmp`` when that is
+    taken), so that what an interrupted writer left can be told by its process id.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    # mkstemp makes the file private (0600).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return tmp
+    pid = os.getpid()
+    for attempt in range(100):
+        middle = f"{pid}" if attempt == 0 else f"{secrets.token_hex(4)}.{pid}"
+        tmp = target.parent / f".{target.name}.{middle}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return str(tmp)
+    raise FileExistsError(f"no free temporary name beside {target}")
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and
-    ``os.replace``, so a reader sees the old file or the new one, never half of it."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
+    """Call ``write(f)`` on a temporary file in ``path``'s folder, flush it to disk and
+    ``os.replace`` it onto ``path``: a reader (or a crash) sees the old file or the new
+    one, never half of it. When ``write`` raises (Ctrl-C included) the temporary file is
+    removed and ``path`` is left as it was.
+
+    The workspace's one atomic writer: ``atomic_write_bytes``/``atomic_write_text`` and
+    the trainer's checkpoints, metrics, plots and token caches go through it.
+    """
     target = Path(path)
     tmp = temp_file_beside(target)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -65,6 +78,11 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         raise
     _fsync_dir(target.parent)
     return target
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
