@@ -138,7 +138,8 @@ def test_second_run_into_a_claimed_folder_is_refused_and_the_first_keeps_its_res
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["settings"]["seed"] == 0 and ckpt["step"] % 2 == 0
     assert not (out / ".lab2-train.lock").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
+    # a stopped run leaves its records, its checkpoint and its resolved settings, nothing else
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "metrics.jsonl", "settings.toml"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT],
