@@ -33,6 +33,7 @@ from lab2_trainer.supervise import (
     exit_code_for,
     is_timeout_error,
 )
+from lab2bench.ranks import threads_per_rank  # CPU threads per rank sharing the cores
 
 # Exit code of a rank that stopped on bad input (it already printed one line).
 EXIT_BAD_INPUT = 2
@@ -124,12 +125,6 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
         timeout=timedelta(seconds=timeout_s),
     )
     return DistContext(rank, world, local_rank, device)
-
-
-def threads_per_rank(local_world: int) -> int:
-    """CPU threads for each of ``local_world`` ranks sharing this machine's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, local_world))
 
 
 def _rank_main(rank: int, world: int, init_method: str, device_type: str, timeout_s: float,
