@@ -153,3 +153,21 @@ def test_bad_options_exit_with_one_line(argv, message):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert message in str(info.value)
+
+
+def test_lab2bench_runs_the_trainer_suites(tmp_path, capsys):
+    """The entry points of ``lab2bench.suites``: ``lab2bench list`` shows ``train-<suite>``,
+    and ``lab2bench train-e2e`` is ``lab2-train bench e2e`` (same records and files)."""
+    from lab2_trainer.bench.cli import SUITES
+    from lab2bench.cli import main as lab2bench_main
+
+    assert lab2bench_main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"train-{name}" in listed for name in SUITES), listed
+    out = tmp_path / "e2e"
+    assert lab2bench_main(["train-e2e", "--quick", "--modes", "forward", "--out", str(out)]) == 0
+    assert "| micro" in capsys.readouterr().out
+    records = read_records(out / "e2e.jsonl")
+    assert records and all(r["suite"] == "e2e" for r in records)
+    assert {r["config"]["mode"] for r in records} == {"forward"}
+    assert (out / "e2e.md").exists()

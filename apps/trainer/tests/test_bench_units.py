@@ -56,7 +56,7 @@ def test_ddp_rows_exposed_shares():
     import argparse
 
     from lab2_trainer.bench.ddp import add_rows
-    from lab2_trainer.bench.report import SuiteOutput
+    from lab2bench.suites import SuiteOutput
 
     def steps(total):
         return [{"forward": 0.01, "backward": 0.05, "sync": total - 0.01, "optimizer": total}]

@@ -33,3 +33,11 @@ def test_suite_table_matches_modules(name):
     module = suite_module(name)
     assert name == module.NAME
     assert SUITES[name][1] == module.HELP
+
+
+def test_lab2bench_lists_the_trainer_suites_without_torch():
+    """The trainer's suites reach ``lab2bench`` through entry points; listing them (which
+    imports the modules the entry points name) imports no torch."""
+    run = run_main("lab2bench.cli", ["--help"])
+    assert run.code == 0 and run.slow_imports == [], run
+    assert all(f"train-{name}" in run.out for name in SUITES)

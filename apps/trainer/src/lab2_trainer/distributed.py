@@ -29,8 +29,13 @@ from lab2_trainer.supervise import (
     exit_code_for,
     is_timeout_error,
 )
-from lab2bench.ranks import EXITED, RankError, RankGroup, rank_watch
-from lab2bench.ranks import threads_per_rank as _threads_per_rank
+from lab2bench.ranks import (  # threads_per_rank: CPU threads per rank sharing the cores
+    EXITED,
+    RankError,
+    RankGroup,
+    rank_watch,
+    threads_per_rank,
+)
 
 # Exit code of a rank that stopped on bad input (it already printed one line).
 EXIT_BAD_INPUT = 2
@@ -122,11 +127,6 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
         timeout=timedelta(seconds=timeout_s),
     )
     return DistContext(rank, world, local_rank, device)
-
-
-def threads_per_rank(local_world: int) -> int:
-    """CPU threads for each of ``local_world`` ranks sharing this machine's cores."""
-    return _threads_per_rank(local_world)
 
 
 def _rank_main(rank: int, world: int, spec: tuple) -> None:

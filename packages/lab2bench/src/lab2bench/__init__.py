@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # Every name is imported on first use (PEP 562), so that `import lab2bench` and the
 # `lab2bench --help` it serves do not import torch.
@@ -30,7 +30,7 @@ _EXPORTS = {
     "atomic_write_text": "records",
     "read_records": "records", "write_jsonl": "records",
     "markdown_table": "report", "plot_sweep": "report", "progress": "report",
-    "Suite": "suites", "register_suite": "suites",
+    "Suite": "suites", "SuiteOutput": "suites", "register_suite": "suites",
     "Stats": "timing", "measure": "timing",
 }
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         write_jsonl,
     )
     from lab2bench.report import markdown_table, plot_sweep, progress
-    from lab2bench.suites import Suite, register_suite
+    from lab2bench.suites import Suite, SuiteOutput, register_suite
     from lab2bench.timing import Stats, measure
 
 
@@ -84,6 +84,7 @@ __all__ = [
     "Recorder",
     "Stats",
     "Suite",
+    "SuiteOutput",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",

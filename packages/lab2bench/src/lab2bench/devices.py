@@ -35,7 +35,7 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
     return device
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device | str) -> None:
     """Wait until every kernel queued on ``device`` has finished (no-op on the CPU)."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,23 +12,55 @@ Public API:
     OPTIONS (in tritonnorm.ops.options): the launch path's switches.
 """
 
-from tritonnorm.functional import (
-    HAS_TRITON,
-    FusedAddRMSNormFunction,
-    RMSNormFunction,
-    fused_add_rms_norm,
-    rms_norm,
-)
-from tritonnorm.module import FusedAddRMSNorm, RMSNorm
-from tritonnorm.ops.reference import (
-    RMSNormTorchFunction,
-    rms_norm_backward_weight,
-    rms_norm_backward_x,
-    rms_norm_reference,
-)
-from tritonnorm.patching import replace_rms_norms
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.5.0"
+
+# Every name is imported on first use (PEP 562): `import tritonnorm` alone loads neither
+# torch nor triton, so that `lab2bench --help` can list tritonnorm's suites (entry points
+# in tritonnorm.bench) at once.
+_EXPORTS = {
+    "HAS_TRITON": "functional", "FusedAddRMSNormFunction": "functional",
+    "RMSNormFunction": "functional", "fused_add_rms_norm": "functional",
+    "rms_norm": "functional",
+    "FusedAddRMSNorm": "module", "RMSNorm": "module",
+    "RMSNormTorchFunction": "ops.reference", "rms_norm_backward_weight": "ops.reference",
+    "rms_norm_backward_x": "ops.reference", "rms_norm_reference": "ops.reference",
+    "replace_rms_norms": "patching",
+}
+
+if TYPE_CHECKING:
+    from tritonnorm.functional import (
+        HAS_TRITON,
+        FusedAddRMSNormFunction,
+        RMSNormFunction,
+        fused_add_rms_norm,
+        rms_norm,
+    )
+    from tritonnorm.module import FusedAddRMSNorm, RMSNorm
+    from tritonnorm.ops.reference import (
+        RMSNormTorchFunction,
+        rms_norm_backward_weight,
+        rms_norm_backward_x,
+        rms_norm_reference,
+    )
+    from tritonnorm.patching import replace_rms_norms
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tritonnorm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tritonnorm.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "HAS_TRITON",

@@ -3,5 +3,7 @@
 Suites (each a module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and
 ``run(args, out)``): ``e2e``, ``precision``, ``compile``, ``norm``, ``memory`` on one device;
 ``ddp``, ``zero`` and ``stack`` on N local ranks spawned by :mod:`.launcher`. They measure
-with lab2bench and write through :class:`.report.SuiteOutput` (JSONL, Markdown, PNG).
+with lab2bench and write through ``lab2bench.SuiteOutput`` (JSONL, Markdown, PNG).
+:mod:`.cli` makes each a lab2bench ``Suite``, declared as an entry point of the group
+``lab2bench.suites`` (``lab2bench train-<suite>`` runs it too).
 """

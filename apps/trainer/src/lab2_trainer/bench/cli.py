@@ -3,6 +3,10 @@
 Every suite takes the common options (``--quick``, ``--out``, ``--device``, ``--preset``,
 ``--precision``, batch and context sizes, warm-up and step counts); ``--quick`` runs a micro
 model on the CPU in seconds. ``lab2-train bench SUITE --help`` lists a suite's own options.
+
+The suites are lab2bench ``Suite`` objects, run by lab2bench's runner: this package
+declares them as entry points of the group ``lab2bench.suites`` under the names
+``train-<suite>`` (``lab2bench train-e2e --quick`` is ``lab2-train bench e2e --quick``).
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ import argparse
 import importlib
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 
 from lab2_trainer import __version__
+from lab2bench.suites import Suite
+from lab2bench.suites.base import comma_list
 
 #: Every suite by name: the module under ``lab2_trainer.bench`` that runs it, and its
 #: one-line help (the module's ``HELP``). The modules import torch, so only the suite
@@ -52,26 +58,13 @@ FULL = dict(device="auto", presets=["small"], batch_size=4, context_length=256, 
             steps=10, rounds=3)
 
 
-def _csv(kind: type) -> type:
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
-    parse.__name__ = f"list of {kind.__name__}"
-    return parse
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     from lab2_trainer.bench.workload import PRECISIONS, preset_names
 
+    # lab2bench's runner adds --quick, --out and --device (cpu, cuda, cuda:N or auto).
     g = parser.add_argument_group("common options")
-    g.add_argument("--quick", action="store_true",
-                   help="micro model on the CPU, 2 steps: a smoke run in seconds")
-    g.add_argument("--out", default=None, metavar="DIR",
-                   help="write <suite>.jsonl, <suite>.md and PNG plots here")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
-    g.add_argument("--preset", dest="presets", type=_csv(str), default=None, metavar="P[,P...]",
+    g.add_argument("--preset", dest="presets", type=comma_list(str), default=None,
+                   metavar="P[,P...]",
                    help=f"model presets, comma-separated: {', '.join(preset_names())}")
     g.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="autocast precision (default fp32)")
@@ -91,32 +84,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         "--quick, else torch's default, or cores // world size per rank)")
 
 
-def build_parser(options_of: Iterable[str] | None = None) -> argparse.ArgumentParser:
-    """The command line; only the suites in ``options_of`` (default: all) get their options,
-    since adding them imports the suite's module."""
-    options_of = set(SUITES if options_of is None else options_of)
-    parser = argparse.ArgumentParser(
-        prog="lab2-train bench",
-        description="Model-level benchmark suites of the lab2 Transformer.",
-    )
-    parser.add_argument("--version", action="version", version=f"lab2-train {__version__}")
-    sub = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
-    for name, (_, help_text) in SUITES.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in options_of:
-            _common(p)
-            suite_module(name).add_arguments(p)
-    return parser
-
-
-def _suite_named(argv: Sequence[str]) -> str | None:
-    """The suite on the command line: its first argument that is not an option."""
-    first = next((a for a in argv if not a.startswith("-")), None)
-    return first if first in SUITES else None
-
-
 def _fill_defaults(args: argparse.Namespace) -> None:
-    from lab2_trainer.bench.workload import preset_names, resolve_device
+    from lab2_trainer.bench.workload import preset_names
+    from lab2bench.devices import resolve_device
 
     base = QUICK if args.quick else FULL
     for key, value in base.items():
@@ -138,10 +108,13 @@ def _fill_defaults(args: argparse.Namespace) -> None:
         # On a small shared CPU, a second OpenMP thread waiting at every barrier for a core
         # that another process holds makes tiny ops 100x slower.
         args.threads = 1
+    requested = None if args.device == "auto" else args.device
     try:
-        args.device = str(resolve_device(args.device))
+        device = resolve_device(requested)
     except (ValueError, RuntimeError) as err:
         raise SystemExit(f"lab2-train bench: {err}") from None
+    # A device asked for by its type alone (or auto) is recorded by its type, as "cuda".
+    args.device = device.type if requested in (None, device.type) else str(device)
 
 
 def _parse_overrides(items: list[str]) -> dict[str, object]:
@@ -168,19 +141,23 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one suite. Returns 0; bad options exit with a one-line message."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    suite = _suite_named(argv)
-    args = build_parser([suite] if suite else []).parse_args(argv)
+def _add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    suite_module(name).add_arguments(parser)
+
+
+def _run(name: str, args: argparse.Namespace) -> int:
+    """Run suite ``name`` with the parsed options: fill the defaults, collect the suite's
+    rows in a ``SuiteOutput`` and write them out."""
     # torch is imported only now, so that `--help` stays quick.
     import torch
 
-    from lab2_trainer.bench.report import SuiteOutput
+    from lab2bench.suites import SuiteOutput
 
+    args.suite = name
     _fill_defaults(args)
-    module = suite_module(args.suite)
-    out = SuiteOutput(args.suite, args.out)
+    module = suite_module(name)
+    out = SuiteOutput(name, args.out)
     t0 = time.perf_counter()
     saved_threads = torch.get_num_threads()
     if args.threads is not None:
@@ -191,9 +168,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(saved_threads)
     out.finish()
     where = f"; results in {args.out}" if args.out else ""
-    print(f"[bench {args.suite}] {len(out.rows)} rows in {time.perf_counter() - t0:.1f}s{where}",
+    print(f"[bench {name}] {len(out.rows)} rows in {time.perf_counter() - t0:.1f}s{where}",
           flush=True)
     return 0
+
+
+#: The trainer's suites are ``train-<suite>`` in the ``lab2bench`` command, where a plain
+#: ``norm`` would clash with tritonnorm's.
+LAB2BENCH_PREFIX = "train-"
+
+
+def lab2bench_suite(name: str) -> Suite:
+    """Suite ``name`` as a lab2bench ``Suite``, named ``train-<name>``."""
+    return Suite(f"{LAB2BENCH_PREFIX}{name}", SUITES[name][1],
+                 lambda parser: _add_arguments(name, parser), lambda args: _run(name, args))
+
+
+#: Every suite by its name in ``lab2-train bench``.
+BENCH_SUITES = {name: lab2bench_suite(name) for name in SUITES}
+# The entry points of the group ``lab2bench.suites`` (pyproject.toml) name these.
+E2E = BENCH_SUITES["e2e"]
+PRECISION = BENCH_SUITES["precision"]
+COMPILE = BENCH_SUITES["compile"]
+NORM = BENCH_SUITES["norm"]
+MEMORY = BENCH_SUITES["memory"]
+DDP = BENCH_SUITES["ddp"]
+ZERO = BENCH_SUITES["zero"]
+STACK = BENCH_SUITES["stack"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one suite through lab2bench's runner. Returns the exit code; bad options exit
+    with a one-line message."""
+    from lab2bench.cli import main as run_suites
+
+    return run_suites(list(sys.argv[1:] if argv is None else argv), suites=BENCH_SUITES,
+                      prog="lab2-train bench",
+                      description="Model-level benchmark suites of the lab2 Transformer.",
+                      version=f"lab2-train {__version__}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ import torch
 
 from lab2_trainer.bench.e2e import measure_preset, mfu_note
 from lab2_trainer.bench.precision import add_speedups
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES
+from lab2bench.suites import SuiteOutput
 
 NAME = "compile"
 HELP = "eager vs torch.compile: forward, forward+backward and training step"

@@ -54,9 +54,9 @@ from lab2_trainer.bench.distributed import (
     run_step,
     summarize,
 )
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import make_optimizer
 from lab2_trainer.bench.trace_overlap import nccl_overlap
+from lab2bench.suites import SuiteOutput
 
 NAME = "ddp"
 HELP = ("DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: step time and "

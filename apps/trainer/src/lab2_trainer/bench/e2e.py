@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES, stats_metrics, time_modes
 from lab2_trainer.bench.workload import (
     build_config,
@@ -28,6 +27,7 @@ from lab2_trainer.mfu import (
     mfu,
     training_flops_per_token,
 )
+from lab2bench.suites import SuiteOutput
 
 NAME = "e2e"
 HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"

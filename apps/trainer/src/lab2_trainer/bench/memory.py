@@ -15,7 +15,6 @@ import contextlib
 
 import torch
 
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import make_optimizer, make_step
 from lab2_trainer.bench.workload import (
     build_config,
@@ -25,6 +24,7 @@ from lab2_trainer.bench.workload import (
     random_batch,
     tensor_breakdown,
 )
+from lab2bench.suites import SuiteOutput
 
 NAME = "memory"
 HELP = "peak memory of forward, forward+backward and full AdamW step per preset/context length"

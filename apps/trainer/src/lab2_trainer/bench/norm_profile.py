@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, record_function
 
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import make_optimizer, make_step
 from lab2_trainer.bench.workload import (
     autocast,
@@ -41,8 +40,9 @@ from lab2_trainer.bench.workload import (
     build_model,
     free_memory,
     random_batch,
-    synchronize,
 )
+from lab2bench.devices import synchronize
+from lab2bench.suites import SuiteOutput
 
 STEP_LABEL = "lab2.bench.step"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "

@@ -18,8 +18,8 @@ import argparse
 from typing import Any
 
 from lab2_trainer.bench.e2e import row_config, time_preset
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES, stats_metrics
+from lab2bench.suites import SuiteOutput
 
 NAME = "norm"
 HELP = "norm swap in the full model: tritonnorm vs reference vs torch RMSNorm vs LayerNorm"

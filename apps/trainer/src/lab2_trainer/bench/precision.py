@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from lab2_trainer.bench.e2e import measure_preset
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.steps import MODES
 from lab2_trainer.bench.workload import PRECISIONS
+from lab2bench.suites import SuiteOutput
 
 NAME = "precision"
 HELP = "fp32 vs bf16 (and fp16) autocast: forward, forward+backward and training step"

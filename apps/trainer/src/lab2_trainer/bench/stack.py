@@ -37,8 +37,8 @@ from lab2_trainer.bench.distributed import (
     summarize,
 )
 from lab2_trainer.bench.e2e import mfu_note
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.mfu import device_peak, matmul_parameters, mfu, training_flops_per_token
+from lab2bench.suites import SuiteOutput
 
 NAME = "stack"
 HELP = ("tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs DistributedDataParallel + "

@@ -77,21 +77,6 @@ def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractC
     return torch.autocast(torch.device(device).type, dtype=PRECISIONS[precision])
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` means CUDA when available, else the CPU; anything else must exist here."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return dev
-
-
-def synchronize(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_memory(device: torch.device | str) -> None:
     """Drop garbage and, on CUDA, the allocator's cached blocks, between variants."""
     gc.collect()

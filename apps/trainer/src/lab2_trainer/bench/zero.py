@@ -36,8 +36,8 @@ from lab2_trainer.bench.distributed import (
     rank_spec,
     summarize,
 )
-from lab2_trainer.bench.report import SuiteOutput
 from lab2_trainer.bench.workload import tensor_breakdown
+from lab2bench.suites import SuiteOutput
 
 NAME = "zero"
 HELP = ("ShardedOptimizer vs ZeroRedundancyOptimizer vs unsharded AdamW: memory at setup, "

@@ -1,13 +1,15 @@
 """The suites of the ``lab2bench`` command, and how other packages add theirs.
 
-Built in: ``norm``, ``norm-host`` and ``comm``. Another installed package adds a suite by
-declaring an entry point in the group ``lab2bench.suites`` that names a ``Suite``
-(or a zero-argument callable returning one)::
+Built in: ``comm``. Another installed package adds a suite by declaring an entry point in
+the group ``lab2bench.suites`` that names a ``Suite`` (or a zero-argument callable returning
+one)::
 
     [project.entry-points."lab2bench.suites"]
-    train = "lab2_trainer.bench:SUITE"
+    norm = "tritonnorm.bench:norm_suite"
 
-or, in-process, with ``register_suite(suite)`` before ``lab2bench.cli.main()``.
+(tritonnorm[bench] adds ``norm`` and ``norm-host`` so; lab2-trainer its ``train-*`` suites),
+or, in-process, with ``register_suite(suite)`` before ``lab2bench.cli.main()``. The module
+an entry point names is imported for ``lab2bench --help``: it must not import torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import importlib.metadata
 import warnings
 
 from lab2bench.suites.base import Suite
+from lab2bench.suites.output import SuiteOutput
 
 ENTRY_POINT_GROUP = "lab2bench.suites"
 _registered: dict[str, Suite] = {}
@@ -50,12 +53,12 @@ def _entry_point_suites() -> dict[str, Suite]:
 
 def available_suites() -> dict[str, Suite]:
     """Every suite by name: built-in, then entry points, then registered in-process."""
-    from lab2bench.suites import comm, norm, norm_host
+    from lab2bench.suites import comm
 
-    suites = {s.name: s for s in (norm.SUITE, norm_host.SUITE, comm.SUITE)}
+    suites = {comm.SUITE.name: comm.SUITE}
     for name, suite in {**_entry_point_suites(), **_registered}.items():
         suites.setdefault(name, suite)
     return suites
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Suite", "available_suites", "register_suite"]
+__all__ = ["ENTRY_POINT_GROUP", "Suite", "SuiteOutput", "available_suites", "register_suite"]

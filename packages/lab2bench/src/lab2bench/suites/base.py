@@ -20,8 +20,9 @@ class Suite:
     ``--out DIR`` (write ``<name>.jsonl``, ``<name>.md`` and PNG plots there) and
     ``--device``; ``add_arguments`` adds the suite's own.
 
-    ``lab2bench --help`` imports every suite's module and calls every ``add_arguments``,
-    so neither may import torch (or anything as slow): import it in ``run``.
+    ``lab2bench --help`` imports every suite's module (an entry point's), and
+    ``lab2bench <name> --help`` calls its ``add_arguments``, so neither may import torch
+    (or anything as slow): import it in ``run``.
 
     Attributes:
         name: the subcommand (``lab2bench <name>``).

@@ -9,7 +9,7 @@ import pytest
 
 from lab2bench import read_records
 from lab2bench.cli import main
-from lab2bench.suites import norm_host
+from tritonnorm.bench import norm_host
 
 
 def _positive(value) -> bool:
@@ -59,7 +59,7 @@ def test_norm_host_named_impls_and_list(tmp_path, capsys):
 
 def test_norm_suite_leaves_out_the_entry_point_row():
     """tritonnorm.rms_norm runs tritonnorm's kernels: the bandwidth suite skips it unless named."""
-    from lab2bench.suites.norm_impls import IMPLS
+    from tritonnorm.bench.norm_impls import IMPLS
 
     assert not IMPLS["tritonnorm.rms_norm"].in_norm_default
     assert all(impl.in_norm_default for name, impl in IMPLS.items()

@@ -18,7 +18,7 @@ from lab2bench.env import env_info
 from lab2bench.records import Recorder
 from lab2bench.report import plot_sweep, progress
 from lab2bench.suites.base import Suite, comma_list, positive_int, show_report
-from lab2bench.suites.norm_impls import IMPLS, OURS, Unavailable, rms_norm_reference
+from tritonnorm.bench.norm_impls import IMPLS, OURS, Unavailable, rms_norm_reference
 
 if TYPE_CHECKING:  # torch is imported by the functions that run, so that --help skips it
     import torch

@@ -1,5 +1,8 @@
-"""Where a suite's results go: one JSON line per row (lab2bench's ``Recorder``), a Markdown
-table on stdout and in ``<out>/<suite>.md``, and PNG plots of sweeps.
+"""Where a suite's results go: one JSON line per row (``Recorder``), Markdown tables on
+stdout and in ``<out>/<suite>.md``, and PNG plots of sweeps.
+
+A suite may write its results itself (``Recorder``, ``show_report``); ``SuiteOutput``
+collects them as rows and writes all three kinds at the end.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class SuiteOutput:
         """Print a Markdown table of ``rows`` (default: every row) and keep it for the .md file.
 
         ``floatfmt``: a format spec for floats, or one per column (others ``.3g``)."""
-        from lab2bench import markdown_table
+        from lab2bench.report import markdown_table
 
         rows = self.rows if rows is None else rows
         text = markdown_table(rows, columns, floatfmt)
@@ -67,7 +70,7 @@ class SuiteOutput:
         """A PNG of ``y`` against ``x`` per ``series`` (skipped without an output folder)."""
         if self.out_dir is None:
             return None
-        from lab2bench import plot_sweep
+        from lab2bench.report import plot_sweep
 
         rows = self.rows if rows is None else rows
         usable = [r for r in rows if r.get(x) is not None and r.get(y) is not None]
@@ -89,7 +92,7 @@ class SuiteOutput:
         """Record every row (one JSON line each) and write ``<suite>.md``."""
         if self.out_dir is None:
             return
-        from lab2bench import Recorder
+        from lab2bench.records import Recorder
 
         recorder = Recorder(self.out_dir / f"{self.suite}.jsonl")
         for row, keys in zip(self.rows, self._config_keys):
@@ -97,7 +100,7 @@ class SuiteOutput:
             metrics = {k: v for k, v in row.items() if k not in config}
             recorder.record(self.suite, config, metrics)
         if self.tables:
-            from lab2bench import atomic_write_text
+            from lab2bench.records import atomic_write_text
 
             atomic_write_text(self.out_dir / f"{self.suite}.md", "\n\n".join(self.tables) + "\n")
 

@@ -78,7 +78,7 @@ FLOATFMT = {"fwd_us": ".1f", "bwd_us": ".1f", "fwdbwd_us": ".1f", "fwd_nograd_us
 
 
 def _dtype_name(text: str) -> str:
-    from lab2bench.suites.norm import _dtype_name as parse
+    from tritonnorm.bench.norm import _dtype_name as parse
 
     return parse(text)
 
@@ -86,7 +86,7 @@ def _dtype_name(text: str) -> str:
 def _impl_name(text: str) -> str:
     if text in (OP, OP_EACH):
         return text
-    from lab2bench.suites.norm import _impl_name as parse
+    from tritonnorm.bench.norm import _impl_name as parse
 
     return parse(text)
 
@@ -204,7 +204,7 @@ def _round(case: _Case, sync: Callable[[], None]) -> dict[str, float]:
 
 
 def _impls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    from lab2bench.suites.norm_impls import IMPLS
+    from tritonnorm.bench.norm_impls import IMPLS
 
     if args.impl:
         return [n for n in dict.fromkeys(args.impl) if n not in (OP, OP_EACH)], []
@@ -241,7 +241,7 @@ def measure_cell(impl_names: list[str], *, dtype: Any, hidden: int, rows: int, d
     import torch
 
     from lab2bench.devices import synchronize
-    from lab2bench.suites.norm_impls import IMPLS, Unavailable
+    from tritonnorm.bench.norm_impls import IMPLS, Unavailable
 
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)

@@ -77,7 +77,7 @@ def _tritonnorm():
     try:
         import tritonnorm
     except ImportError:
-        raise Unavailable("tritonnorm is not installed (pip install lab2bench[norm])") from None
+        raise Unavailable("tritonnorm is not installed (pip install tritonnorm[bench])") from None
     return tritonnorm
 
 
@@ -138,7 +138,7 @@ def _make_liger(w: torch.Tensor, b: torch.Tensor) -> NormFn3:
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:
-        raise Unavailable("Liger-Kernel is not installed (pip install lab2bench[liger])") from None
+        raise Unavailable("Liger-Kernel is not installed (pip install liger-kernel)") from None
     if w.device.type != "cuda":
         raise Unavailable("Liger-Kernel needs a CUDA device")
     # Positional: (X, W, eps, offset, casting_mode); the later in_place flag keeps its
