@@ -55,19 +55,19 @@ from lab2_trainer.parallel import (
 from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.schedule import WarmupCosine, set_lr
-from lab2_trainer.settings import TrainSettings
+from lab2_trainer.settings import PRECISIONS, TrainSettings
 from lab2bench.records import atomic_write_text
 
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_context(precision: str, device: torch.device):
-    """Autocast for bf16/fp16 on the rank's device; nothing for fp32."""
-    if precision == "fp32":
+    """Autocast for bf16/fp16 on the rank's device; nothing for fp32 (``PRECISIONS``)."""
+    dtype_name = PRECISIONS[precision]
+    if dtype_name is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+    return torch.autocast(device.type, dtype=getattr(torch, dtype_name))
 
 
 def all_mean(value: torch.Tensor) -> float:

@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 from lab2_trainer.config import PRESETS, ModelConfig, model_config
+from lab2_trainer.settings import PRECISIONS as _PRECISION_NAMES
 
 #: The micro model of ``--quick`` runs (a bench-only name next to the trainer's presets).
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The trainer's precision table, as dtypes (float32 for "fp32", which runs no autocast).
+PRECISIONS = {name: getattr(torch, dtype or "float32") for name, dtype in _PRECISION_NAMES.items()}
 
 
 def preset_names() -> list[str]:
