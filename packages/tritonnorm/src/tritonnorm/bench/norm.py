@@ -18,7 +18,13 @@ from lab2bench.env import env_info
 from lab2bench.records import Recorder
 from lab2bench.report import plot_sweep, progress
 from lab2bench.suites.base import Suite, comma_list, positive_int, show_report
-from tritonnorm.bench.norm_impls import IMPLS, OURS, Unavailable, rms_norm_reference
+from tritonnorm.bench.norm_impls import (
+    IMPLS,
+    OURS,
+    Unavailable,
+    default_impls,
+    rms_norm_reference,
+)
 
 if TYPE_CHECKING:  # torch is imported by the functions that run, so that --help skips it
     import torch
@@ -110,16 +116,7 @@ def _impls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Implementations to run, and notes about those left out."""
     if args.impl:
         return list(dict.fromkeys(args.impl)), []
-    names, notes = [], []
-    for name, impl in IMPLS.items():
-        if not impl.in_norm_default:
-            continue
-        if args.quick and impl.slow_setup:
-            notes.append(f"{name}: left out of --quick (setting it up takes long); "
-                         f"ask for it with --impl {name}")
-            continue
-        names.append(name)
-    return names, notes
+    return default_impls(args.quick, norm_suite_only=True)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -204,18 +204,11 @@ def _round(case: _Case, sync: Callable[[], None]) -> dict[str, float]:
 
 
 def _impls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    from tritonnorm.bench.norm_impls import IMPLS
+    from tritonnorm.bench.norm_impls import default_impls
 
     if args.impl:
         return [n for n in dict.fromkeys(args.impl) if n not in (OP, OP_EACH)], []
-    names, notes = [], []
-    for name, impl in IMPLS.items():
-        if args.quick and impl.slow_setup:
-            notes.append(f"{name}: left out of --quick (setting it up takes long); "
-                         f"ask for it with --impl {name}")
-            continue
-        names.append(name)
-    return names, notes
+    return default_impls(args.quick)
 
 
 def _short(err: BaseException, limit: int = 300) -> str:

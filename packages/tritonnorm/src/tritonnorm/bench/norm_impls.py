@@ -165,3 +165,18 @@ IMPLS: dict[str, Impl] = {
 }
 #: Implementations from tritonnorm; the others are the alternatives they are compared to.
 OURS = ("tritonnorm", "tritonnorm-torch", "tritonnorm.rms_norm")
+
+
+def default_impls(quick: bool, *, norm_suite_only: bool = False) -> tuple[list[str], list[str]]:
+    """The implementations a suite runs when none is named, and a note on each left out
+    of ``--quick`` (``norm_suite_only``: those the ``norm`` suite runs by default)."""
+    names, notes = [], []
+    for name, impl in IMPLS.items():
+        if norm_suite_only and not impl.in_norm_default:
+            continue
+        if quick and impl.slow_setup:
+            notes.append(f"{name}: left out of --quick (setting it up takes long); "
+                         f"ask for it with --impl {name}")
+            continue
+        names.append(name)
+    return names, notes
