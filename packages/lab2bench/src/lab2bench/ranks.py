@@ -129,7 +129,15 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, device: str, back
     finally:
         guard.stop()
     if code:
-        sys.exit(code)
+        # A failed or interrupted rank ends here without the interpreter's shutdown, where
+        # threads of the torch and Gloo runtimes may still call into a half-torn-down
+        # Python (seen as "write to closed file" aborts after Ctrl-C). Its report is sent
+        # (the queue's feeder thread flushed) and its output written first.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class RankGroup:
