@@ -65,8 +65,9 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _like(t2: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
-    return t2 if dim == 2 else t2.view(shape)
+def _like(t2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The (rows, H) result ``t2`` in x's shape (a view; no copy)."""
+    return t2 if x.dim() == 2 else t2.view(x.shape)
 
 
 def _n_programs(x: torch.Tensor, per_sm: int) -> int:
@@ -179,8 +180,8 @@ def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype):
         ptrs = (x2.data_ptr(), weight.data_ptr(), py, prstd)
     if not LaunchCache.launch(plan, x2.get_device(), ptrs):
         return None
-    s = None if residual is None else _like(s2, x.shape, x.dim())
-    return _like(y2, x.shape, x.dim()), s, rstd
+    s = None if residual is None else _like(s2, x)
+    return _like(y2, x), s, rstd
 
 
 def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=None):
@@ -200,15 +201,15 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
     s2 = None if residual is None else x2.new_empty((n_rows, n_cols))
     if n_rows == 0:
         rstd = x2.new_empty((0,), dtype=torch.float32) if need_rstd else None
-        s = None if s2 is None else _like(s2, x.shape, x.dim())
-        return _like(y2, x.shape, x.dim()), s, rstd
+        s = None if s2 is None else _like(s2, x)
+        return _like(y2, x), s, rstd
     w = weight if weight.is_contiguous() else weight.contiguous()
     looped = lc.fwd_is_looped(n_cols, config.get("looped") if config else None)
     if residual is not None and looped:
         # Rows too long for one block: the add runs apart, then the long-row forward.
         s2 = (x2.float() + _as_rows(residual).float()).to(x.dtype)
         y, _, rstd = _forward(s2, None, w, eps, config, need_rstd, traceable, out_dtype)
-        return _like(y, x.shape, x.dim()), _like(s2, x.shape, x.dim()), rstd
+        return _like(y, x), _like(s2, x), rstd
     # Only the fused kernels can skip rstd (y2 then stands in for its unused pointer).
     store_rstd = need_rstd or looped
     rstd = x2.new_empty((n_rows,), dtype=torch.float32) if store_rstd else None
@@ -221,6 +222,7 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
         num_warps = config.get("num_warps", cfg.num_warps) if config else cfg.num_warps
         chunk = min(config.get("chunk", cfg.chunk) if config else cfg.chunk, block_h)
         out_rstd = rstd if store_rstd else y2
+        r2 = x2 if residual is None else _as_rows(residual)
         if chunk and residual is None:
             even = config.get("even", cfg.even) if config else cfg.even
             even = even and n_cols % chunk == 0 and n_rows % block_r == 0
@@ -228,7 +230,6 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
             args = (x2, w, y2, out_rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
             consts = (block_r, chunk, even, store_rstd)
         else:
-            r2 = x2 if residual is None else _as_rows(residual)
             kernel, n_ptrs = _fwd_rows_kernel, 6
             args = (x2, r2, w, y2, y2 if s2 is None else s2, out_rstd, n_rows, n_cols,
                     x2.stride(0), r2.stride(0), n_cols, eps)
@@ -236,11 +237,10 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
         grid = (lc.cdiv(n_rows, block_r), 1, 1)
         compiled = launch(kernel, grid, args, consts, num_warps)
         if not traceable and config is None:
-            r2 = x2 if residual is None else _as_rows(residual)
             key = _fwd_key(x, x2, r2, residual, weight, need_rstd, eps, out_dtype)
             _FWD_PLANS.record(key, compiled, grid, args, n_ptrs, consts)
-    s = None if s2 is None else _like(s2, x.shape, x.dim())
-    return _like(y2, x.shape, x.dim()), s, (rstd if need_rstd else None)
+    s = None if s2 is None else _like(s2, x)
+    return _like(y2, x), s, (rstd if need_rstd else None)
 
 
 def _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch):
@@ -348,8 +348,10 @@ def _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtyp
         return None
     if not needs_dx:
         return None, None, dw
-    dx = _like(dx2, x.shape, x.dim())
-    return dx, (_like(dr2, x.shape, x.dim()) if two_outs else dx) if dr_dtype else None, dw
+    dx = _like(dx2, x)
+    if dr_dtype is None:
+        return dx, None, dw
+    return dx, (_like(dr2, x) if two_outs else dx), dw
 
 
 def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_dtype,
@@ -381,7 +383,7 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
     if looped:
         dw = _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw,
                             config, traceable)
-        dx = _like(dx2, x.shape, x.dim()) if needs_dx else None
+        dx = _like(dx2, x) if needs_dx else None
         if ds is not None:  # the fused add's gradient on long rows: added apart
             dx = dx.add_(ds)
         dr = None if dr_dtype is None else (dx.to(dr_dtype) if two_outs else dx)
@@ -396,8 +398,8 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
                         plan_key)
     if not needs_dx:
         return None, None, dw
-    dx = _like(dx2, x.shape, x.dim())
-    dr = None if dr_dtype is None else (_like(dr2, x.shape, x.dim()) if two_outs else dx)
+    dx = _like(dx2, x)
+    dr = None if dr_dtype is None else (_like(dr2, x) if two_outs else dx)
     return dx, dr, dw
 
 
