@@ -39,6 +39,7 @@ from tritonnorm.ops.rows_kernels import (
     _fwd_rows_reread_kernel,
     _sum_partials_kernel,
 )
+from tritonnorm.ops.validation import check_residual
 from tritonnorm.ops.workspaces import fold_counter, partials_buffer
 
 # Launch shapes whose cooperative launch the driver refused (see _backward).
@@ -147,11 +148,8 @@ def fused_add_rms_norm_fwd(
     """s = x + residual (in x's dtype), y = RMSNorm(s) * weight, in one pass over x and
     residual. Returns (y, s, rstd or None) of x's shape; s has x's dtype and y
     ``out_dtype`` (default x's)."""
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has "
-                         f"{tuple(x.shape)}: fused_add_rms_norm needs them equal")
-    if residual.device != x.device:
-        raise ValueError(f"x is on {x.device} but residual is on {residual.device}")
+    if residual.shape != x.shape or residual.device != x.device:
+        check_residual(x, residual, kernel=True)  # raises, naming what differs
     return _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype)
 
 
