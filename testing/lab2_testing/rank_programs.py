@@ -292,8 +292,10 @@ def averaging_rank(rank: int, world_size: int, seed: int) -> dict:
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         g = torch.Generator().manual_seed(seed + rank)
         t = torch.randn(37, generator=g, dtype=torch.float64).to(dtype)
-        averager.start(t).wait()
+        handle = averager.start(t)
+        handle.wait()
         out[str(dtype)] = t.double()
+        out["collective"] = isinstance(handle, torch.distributed.Work)
     return out
 
 

@@ -23,5 +23,6 @@ def test_average_matches_the_mean_over_ranks(world_size):
         for rank, got in enumerate(results):
             assert got["world_size"] == world_size
             assert not got["native"]  # Gloo has no AVG: divide, then sum
+            assert got["collective"] == (world_size > 1)  # a group of one launches none
             err = float((got[dtype] - expected).norm() / expected.norm())
             assert err < tol, f"{dtype} rank {rank}/{world_size}: rel err {err:.2e}"

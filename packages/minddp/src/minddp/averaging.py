@@ -8,7 +8,10 @@ backward, where every microsecond of host time delays the next backward kernel. 
   and summed (pre-dividing keeps the sum in range for half-precision gradients).
 * The collective is started on the process group object directly with options built
   once, skipping ``torch.distributed.all_reduce``'s per-call argument checks (tens of
-  microseconds each on a slow host, measured on the device machine).
+  microseconds each on a slow host, measured on an H200 machine).
+* In a group of one the average is the tensor itself: nothing is launched. NCCL would
+  still run a one-rank reduce kernel per call (4% of an xl training step on one H200,
+  146 launches per step with 25 MB buckets).
 """
 
 from __future__ import annotations
@@ -17,6 +20,21 @@ import torch
 import torch.distributed as dist
 
 from minddp._group import group_size
+
+
+class _Done:
+    """The handle of an average that needed no collective (a group of one)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 class Averager:
@@ -43,6 +61,8 @@ class Averager:
 
     def start(self, tensor: torch.Tensor) -> dist.Work:
         """Begin averaging ``tensor`` in place; ``wait()`` on the result before reading it."""
+        if self.world_size == 1:
+            return _DONE  # type: ignore[return-value]
         if not self.native_average and self.world_size > 1:
             tensor.div_(self.world_size)
         if self._options is not None:
