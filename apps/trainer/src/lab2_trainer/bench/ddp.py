@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.bench.arguments import DDP_VARIANTS
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
@@ -58,41 +58,18 @@ from lab2_trainer.bench.steps import make_optimizer
 from lab2_trainer.bench.trace_overlap import nccl_overlap
 from lab2bench.suites import SuiteOutput
 
-NAME = "ddp"
-HELP = ("DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: step time and "
-        "exposed communication, N ranks in one run")
 DEFAULT_BUCKETS = [1.0, 5.0, 25.0, 100.0]
 SWEEP_BUCKETS = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0]
-KINDS = ("local", "naive", "flat", "individual", "bucketed", "torch", "bucketed_bf16",
-         "torch_bf16")
 BUCKETED_KINDS = ("bucketed", "bucketed_bf16")  # run once per bucket size
-DEFAULT_KINDS = KINDS[:6]  # the bfloat16-wire variants run when asked for
 COLUMNS = ["preset", "variant", "step_ms", "step_std_ms", "ratio_to_torch", "backward_ms",
            "sync_wait_ms", "sync_wait_share", "overhead_vs_local_ms", "exposed_share_vs_local"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(DEFAULT_KINDS),
-                        help=f"comma-separated, from {', '.join(KINDS)} (bucketed runs once "
-                             "per bucket size)")
-    parser.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",")],
-                        default=None, help="bucket sizes in MB for 'bucketed' "
-                                           "(default 1,5,25,100)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="bucket sizes 1,5,10,25,50,100,500 MB")
-    parser.add_argument("--torch-bucket-mb", type=float, default=25.0,
-                        help="bucket_cap_mb of PyTorch DDP (default 25)")
-    parser.add_argument("--trace", action="store_true",
-                        help="profile one extra step per variant (Chrome traces under --out); "
-                             "on CUDA also report the NCCL/compute overlap")
-
-
 def variant_names(args: argparse.Namespace) -> list[str]:
-    bad = [k for k in args.variants if k not in KINDS]
+    bad = [k for k in args.variants if k not in DDP_VARIANTS]
     if bad:
         raise SystemExit(f"lab2-train bench ddp: unknown variant(s) {', '.join(bad)}; "
-                         f"choose from {', '.join(KINDS)}")
+                         f"choose from {', '.join(DDP_VARIANTS)}")
     buckets = SWEEP_BUCKETS if args.sweep else (args.bucket_mb or DEFAULT_BUCKETS)
     if any(b <= 0 for b in buckets):
         raise SystemExit("lab2-train bench ddp: bucket sizes must be > 0")

@@ -77,17 +77,6 @@ class Variant:
     sync: Callable[[], None] = lambda: None
 
 
-def add_rank_arguments(parser: argparse.ArgumentParser, *, default_world_size: int = 2) -> None:
-    parser.add_argument("--world-size", type=int, default=default_world_size,
-                        help=f"ranks to spawn (default {default_world_size}; Gloo on the CPU, "
-                             "NCCL with one GPU per rank on CUDA)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="measure every variant this many times, order rotated each round "
-                             "(default 3; 1 with --quick)")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds before the ranks are killed (default 1800)")
-
-
 def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
               **extra: Any) -> RankSpec:
     if args.rounds < 1:

@@ -26,7 +26,6 @@ from torch import nn
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
@@ -40,25 +39,10 @@ from lab2_trainer.bench.e2e import mfu_note
 from lab2_trainer.mfu import device_peak, matmul_parameters, mfu, training_flops_per_token
 from lab2bench.suites import SuiteOutput
 
-NAME = "stack"
-HELP = ("tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs DistributedDataParallel + "
-        "ZeroRedundancyOptimizer + torch RMSNorm")
 KINDS = ("ours", "pytorch")
 LR, WEIGHT_DECAY = 1e-4, 0.1
 COLUMNS = ["preset", "variant", "norm", "world_size", "precision", "compiled", "step_ms",
            "step_std_ms", "tokens_per_s", "mfu", "ratio_to_pytorch"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="DDPBucketed's bucket size (default 25, PyTorch DDP's default)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile both models (the same way) before wrapping them")
-    parser.add_argument("--backend", default=None,
-                        help="torch.compile backend (default inductor; aot_eager with --quick)")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode (e.g. max-autotune)")
 
 
 def pytorch_norm() -> str:

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.workload import autocast
-
-MODES = ("forward", "forward_backward", "train_step")
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-4) -> torch.optim.Optimizer:

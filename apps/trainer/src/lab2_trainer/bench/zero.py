@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.bench.arguments import ZERO_VARIANTS
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
@@ -39,10 +39,6 @@ from lab2_trainer.bench.distributed import (
 from lab2_trainer.bench.workload import tensor_breakdown
 from lab2bench.suites import SuiteOutput
 
-NAME = "zero"
-HELP = ("ShardedOptimizer vs ZeroRedundancyOptimizer vs unsharded AdamW: memory at setup, "
-        "before and after the step, state bytes per rank, step time")
-KINDS = ("adamw", "sharded", "torch_zero")
 MIB = 2**20
 LR, WEIGHT_DECAY = 1e-4, 0.1
 COLUMNS = ["preset", "variant", "optim_state_MiB", "state_vs_total_over_n", "param_MiB",
@@ -50,14 +46,8 @@ COLUMNS = ["preset", "variant", "optim_state_MiB", "state_vs_total_over_n", "par
            "step_ms", "step_std_ms", "optimizer_ms", "ratio_to_torch_zero"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(KINDS),
-                        help=f"comma-separated, from {', '.join(KINDS)}")
-
-
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:
-    bad = [k for k in args.variants if k not in KINDS]
+    bad = [k for k in args.variants if k not in ZERO_VARIANTS]
     if bad:
         raise SystemExit(f"lab2-train bench zero: unknown variant(s) {', '.join(bad)}")
     # The first step of each variant measures memory and is never timed.
