@@ -75,3 +75,43 @@ def test_ddp_rows_exposed_shares():
     assert torch_row["exposed_share_vs_local"] == pytest.approx(25.0 / 125.0)
     assert torch_row["overlap_share"] == pytest.approx(0.80)
     assert torch_row["nccl_exposed_share"] == pytest.approx(4.0 / 125.0)  # mean of 5 and 3 ms
+
+
+def test_variant_tables_cover_every_option():
+    """The variants the options accept (``bench.arguments``, no torch) are the ones the
+    suites know how to build."""
+    from lab2_trainer.bench import arguments, ddp, zero
+
+    assert set(ddp.DDP_KIND) == set(arguments.DDP_VARIANTS)
+    assert set(zero.SHARDING) == set(arguments.ZERO_VARIANTS)
+
+
+def test_suites_step_the_trainers_adamw():
+    """``make_optimizer`` is the trainer's ``build_optimizer``: matrices decay, vectors do
+    not, eps 1e-8, the trainer's betas; lr 1e-4."""
+    from lab2_trainer.bench.steps import LR, make_optimizer
+    from lab2_trainer.settings import TrainSettings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = make_optimizer(model)
+    assert type(opt) is torch.optim.AdamW
+    defaults = TrainSettings()
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == defaults.weight_decay and no_decay["weight_decay"] == 0.0
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
+    for g in opt.param_groups:
+        assert g["lr"] == LR == 1e-4 and g["eps"] == 1e-8
+        assert g["betas"] == (defaults.beta1, defaults.beta2) and not g["fused"]
+
+
+@pytest.mark.parametrize("kind, dtype, message",
+                         [("none", torch.bfloat16, "reduce_dtype is for"),
+                          ("individual", torch.bfloat16, "reduce_dtype is for"),
+                          ("torch", torch.float32, "bfloat16 or float16")])
+def test_grad_sync_reduce_dtype_only_where_it_exists(kind, dtype, message):
+    """Refused before any wrapper is built (no process group needed)."""
+    from lab2_trainer.parallel import GradSync
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=message):
+        GradSync(model, model, kind, 25.0, torch.device("cpu"), reduce_dtype=dtype)

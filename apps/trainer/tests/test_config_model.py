@@ -56,6 +56,27 @@ def test_invalid_config_raises_one_clear_line(overrides, fragment):
     assert "\n" not in str(info.value)
 
 
+
+@pytest.mark.parametrize("eps", [0, 0.0, -0.0, 1e-5, 1, 1e300, -1e-9, -1, float("inf"),
+                                 float("-inf"), float("nan")])
+def test_eps_range_is_the_norms(eps):
+    """The config accepts exactly the eps that the norms' own check (the one their kernels
+    and reference run) accepts, and says so in the same words."""
+    from tritonnorm.ops.validation import check_eps
+
+    try:
+        check_eps(eps)
+        norms_error = None
+    except ValueError as err:
+        norms_error = str(err)
+    if norms_error is None:
+        assert model_config("tiny", eps=eps).eps == eps
+    else:
+        with pytest.raises(ValueError) as info:
+            model_config("tiny", eps=eps)
+        range_words = norms_error.split(", got")[0].removeprefix("eps ")
+        assert range_words in str(info.value)
+
 def test_unknown_preset_and_field():
     with pytest.raises(ValueError, match="unknown preset"):
         model_config("huge")

@@ -9,7 +9,8 @@ import pytest
 from lab2_testing.cli import run_main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["list"], ["norm", "--help"], ["comm", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["norm", "--help"],
+                                  ["norm-host", "--help"], ["comm", "--help"]])
 def test_help_imports_no_torch(argv):
     run = run_main("lab2bench.cli", argv)
     assert run.code in (0, None), run

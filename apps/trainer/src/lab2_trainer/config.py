@@ -21,6 +21,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tritonnorm.limits import EPS_RANGE, eps_in_range
+
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
 FFN_KINDS = ("swiglu", "gelu")
 
@@ -34,9 +36,8 @@ CHECKS = {
     "finite>0": "must be > 0",
     "finite>=0": "must be >= 0",
     "[0,1)": "must be in [0, 1)",
-    # The same range as tritonnorm.ops.validation.check_eps: finite and >= 0 (that module
-    # imports torch and triton, too slow to import for a command-line check).
-    "eps": "must be a finite number >= 0",
+    # tritonnorm's own range (tritonnorm.limits imports no torch).
+    "eps": f"must be {EPS_RANGE}",
 }
 
 
@@ -84,7 +85,7 @@ def check_value(label: str, value: Any, meta: Any) -> None:
         return
     finite = _is_number(value) and math.isfinite(value)
     if check == "eps":
-        ok = finite and value >= 0
+        ok = _is_number(value) and eps_in_range(value)
     elif not finite:
         raise ValueError(f"{label} must be a finite number, got {value!r}")
     else:

@@ -27,17 +27,24 @@ class GradSync:
         kind: "bucketed", "individual", "flat", "naive", "torch" or "none".
         bucket_mb: bucket size in MiB for "bucketed" and "torch".
         device: the rank's device (PyTorch's DDP wants its index on GPU).
+        reduce_dtype: the dtype gradients travel and are averaged in, for "bucketed"
+            (DDPBucketed's ``reduce_dtype``) and "torch" (PyTorch's bfloat16 or float16
+            compression hook); None: their own dtype.
     """
 
     def __init__(self, model: nn.Module, forward_module: nn.Module, kind: str, bucket_mb: float,
-                 device: torch.device) -> None:
+                 device: torch.device, *, reduce_dtype: torch.dtype | None = None) -> None:
         self.kind = kind
         self.model = model
         self.wrapper: nn.Module | None = None
+        if reduce_dtype is not None and kind not in ("bucketed", "torch"):
+            raise ValueError(f"ddp kind {kind!r} averages gradients in their own dtype; "
+                             "reduce_dtype is for 'bucketed' and 'torch'")
         if kind == "bucketed":
             from minddp import DDPBucketed
 
-            self.wrapper = DDPBucketed(forward_module, bucket_size_mb=bucket_mb)
+            self.wrapper = DDPBucketed(forward_module, bucket_size_mb=bucket_mb,
+                                       reduce_dtype=reduce_dtype)
         elif kind == "individual":
             from minddp import DDPIndividualParameters
 
@@ -45,10 +52,13 @@ class GradSync:
         elif kind == "torch":
             from torch.nn.parallel import DistributedDataParallel
 
+            hook = _compress_hook(reduce_dtype)
             device_ids = [device.index] if device.type == "cuda" else None
             self.wrapper = DistributedDataParallel(
                 forward_module, device_ids=device_ids, bucket_cap_mb=bucket_mb
             )
+            if hook is not None:
+                self.wrapper.register_comm_hook(None, hook)
         elif kind in ("flat", "naive"):
             from minddp import broadcast_module
 
@@ -78,6 +88,20 @@ class GradSync:
 
             all_reduce_gradients(self.model, flat=self.kind == "flat")
         # "torch" has finished inside backward; "none" has nothing to do.
+
+
+def _compress_hook(reduce_dtype: torch.dtype | None) -> Any:
+    """PyTorch DDP's communication hook that averages gradients in ``reduce_dtype``."""
+    if reduce_dtype is None:
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {torch.bfloat16: default_hooks.bf16_compress_hook,
+             torch.float16: default_hooks.fp16_compress_hook}
+    if reduce_dtype not in hooks:
+        raise ValueError(f"PyTorch's DDP averages gradients in bfloat16 or float16 (its "
+                         f"compression hooks), not {reduce_dtype}")
+    return hooks[reduce_dtype]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

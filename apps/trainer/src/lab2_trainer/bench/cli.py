@@ -7,6 +7,8 @@ model on the CPU in seconds. ``lab2-train bench SUITE --help`` lists a suite's o
 The suites are lab2bench ``Suite`` objects, run by lab2bench's runner: this package
 declares them as entry points of the group ``lab2bench.suites`` under the names
 ``train-<suite>`` (``lab2bench train-e2e --quick`` is ``lab2-train bench e2e --quick``).
+Each suite's help and options come from :mod:`.arguments`, which imports no torch; the
+module that runs it is imported only when it runs, so that ``--help`` stays quick.
 """
 
 from __future__ import annotations
@@ -19,35 +21,13 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from lab2_trainer import __version__
+from lab2_trainer.bench.arguments import SUITES, add_common_arguments, preset_names
 from lab2bench.suites import Suite
-from lab2bench.suites.base import comma_list
-
-#: Every suite by name: the module under ``lab2_trainer.bench`` that runs it, and its
-#: one-line help (the module's ``HELP``). The modules import torch, so only the suite
-#: asked for is imported, and ``--help`` imports none.
-SUITES = {
-    "e2e": ("e2e", "forward and forward+backward time per preset (warm-up excluded, mean "
-                   "and std)"),
-    "precision": ("precision", "fp32 vs bf16 (and fp16) autocast: forward, forward+backward "
-                               "and training step"),
-    "compile": ("compiled", "eager vs torch.compile: forward, forward+backward and training "
-                            "step"),
-    "norm": ("norm_swap", "norm swap in the full model: tritonnorm vs reference vs torch "
-                          "RMSNorm vs LayerNorm"),
-    "memory": ("memory", "peak memory of forward, forward+backward and full AdamW step per "
-                         "preset/context length"),
-    "ddp": ("ddp", "DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: step "
-                   "time and exposed communication, N ranks in one run"),
-    "zero": ("zero", "ShardedOptimizer vs ZeroRedundancyOptimizer vs unsharded AdamW: memory "
-                     "at setup, before and after the step, state bytes per rank, step time"),
-    "stack": ("stack", "tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs "
-                       "DistributedDataParallel + ZeroRedundancyOptimizer + torch RMSNorm"),
-}
 
 
 def suite_module(name: str) -> ModuleType:
-    """The module of suite ``name`` (``NAME``, ``HELP``, ``add_arguments``, ``run``)."""
-    return importlib.import_module(f"lab2_trainer.bench.{SUITES[name][0]}")
+    """The module that runs suite ``name`` (its ``run(args, out)``); it imports torch."""
+    return importlib.import_module(f"lab2_trainer.bench.{SUITES[name].module}")
 
 
 #: What ``--quick`` sets for every option the user did not give.
@@ -58,34 +38,7 @@ FULL = dict(device="auto", presets=["small"], batch_size=4, context_length=256, 
             steps=10, rounds=3)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    from lab2_trainer.bench.workload import PRECISIONS, preset_names
-
-    # lab2bench's runner adds --quick, --out and --device (cpu, cuda, cuda:N or auto).
-    g = parser.add_argument_group("common options")
-    g.add_argument("--preset", dest="presets", type=comma_list(str), default=None,
-                   metavar="P[,P...]",
-                   help=f"model presets, comma-separated: {', '.join(preset_names())}")
-    g.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="autocast precision (default fp32)")
-    g.add_argument("--batch-size", type=int, default=None, help="sequences per step (per rank)")
-    g.add_argument("--context-length", type=int, default=None, help="tokens per sequence")
-    g.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
-    g.add_argument("--norm", default=None,
-                   help="norm layer of the model (tritonnorm, reference, torch, layernorm)")
-    g.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="FIELD=VALUE",
-                   help="override a model config field, e.g. --set n_layers=4 (repeatable)")
-    g.add_argument("--warmup", type=int, default=None, help="untimed steps first")
-    g.add_argument("--steps", type=int, default=None, help="timed steps")
-    g.add_argument("--seed", type=int, default=0, help="model and data seed")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (per rank for ddp/zero/stack; default: 1 with "
-                        "--quick, else torch's default, or cores // world size per rank)")
-
-
 def _fill_defaults(args: argparse.Namespace) -> None:
-    from lab2_trainer.bench.workload import preset_names
     from lab2bench.devices import resolve_device
 
     base = QUICK if args.quick else FULL
@@ -142,8 +95,8 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 
 
 def _add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
-    _common(parser)
-    suite_module(name).add_arguments(parser)
+    add_common_arguments(parser)
+    SUITES[name].add_arguments(parser)
 
 
 def _run(name: str, args: argparse.Namespace) -> int:
@@ -180,7 +133,7 @@ LAB2BENCH_PREFIX = "train-"
 
 def lab2bench_suite(name: str) -> Suite:
     """Suite ``name`` as a lab2bench ``Suite``, named ``train-<name>``."""
-    return Suite(f"{LAB2BENCH_PREFIX}{name}", SUITES[name][1],
+    return Suite(f"{LAB2BENCH_PREFIX}{name}", SUITES[name].help,
                  lambda parser: _add_arguments(name, parser), lambda args: _run(name, args))
 
 

@@ -8,24 +8,10 @@ import torch
 
 from lab2_trainer.bench.e2e import measure_preset, mfu_note
 from lab2_trainer.bench.precision import add_speedups
-from lab2_trainer.bench.steps import MODES
 from lab2bench.suites import SuiteOutput
 
-NAME = "compile"
-HELP = "eager vs torch.compile: forward, forward+backward and training step"
 COLUMNS = ["preset", "mode", "compiled", "backend", "mean_ms", "std_ms", "speedup_vs_eager",
            "tokens_per_s", "mfu"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default=None,
-                        help="torch.compile backend (default inductor; aot_eager with --quick, "
-                             "which needs no C++ compiler and compiles in seconds)")
-    parser.add_argument("--mode", dest="compile_mode", default=None,
-                        help="torch.compile mode (e.g. max-autotune)")
-    parser.add_argument("--modes", type=lambda s: s.split(","),
-                        default=["forward", "forward_backward", "train_step"],
-                        help=f"comma-separated, from {', '.join(MODES)}")
 
 
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:

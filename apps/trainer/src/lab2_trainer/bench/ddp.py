@@ -2,18 +2,26 @@
 
 All variants run in one launch of N ranks (same model, data and seed; interleaved rounds),
 each timing a full training step: forward, backward, gradient synchronisation, AdamW step.
+Each variant is the trainer's own ``GradSync`` (``lab2_trainer.parallel``; its kind in
+brackets below) and the trainer's AdamW (``build_optimizer``), so the suite measures the
+code that trains.
 
 Variants:
-    local       no communication at all (each rank trains on its slice alone): the baseline
-                that communication is measured against.
-    naive       ``all_reduce_gradients(model)``: one all-reduce per parameter, after backward.
-    flat        ``all_reduce_gradients(model, flat=True)``: one all-reduce of everything.
-    individual  ``DDPIndividualParameters``: an async all-reduce per gradient as it is ready.
-    bucketed:MB ``DDPBucketed(bucket_size_mb=MB)``: async all-reduce per bucket.
-    torch       ``torch.nn.parallel.DistributedDataParallel`` (its default 25 MB buckets).
-    bucketed_bf16:MB  ``DDPBucketed(bucket_size_mb=MB, reduce_dtype=torch.bfloat16)``:
-                gradients travel and are averaged in bfloat16.
-    torch_bf16  PyTorch DDP with its ``bf16_compress_hook`` (the same idea, PyTorch's way).
+    local       [none] no communication at all (each rank trains on its slice alone): the
+                baseline that communication is measured against.
+    naive       [naive] ``all_reduce_gradients(model)``: one all-reduce per parameter, after
+                backward.
+    flat        [flat] ``all_reduce_gradients(model, flat=True)``: one all-reduce of
+                everything.
+    individual  [individual] ``DDPIndividualParameters``: an async all-reduce per gradient as
+                it is ready.
+    bucketed:MB [bucketed] ``DDPBucketed(bucket_size_mb=MB)``: async all-reduce per bucket.
+    torch       [torch] ``torch.nn.parallel.DistributedDataParallel`` (``--torch-bucket-mb``,
+                default 25 MB buckets).
+    bucketed_bf16:MB  [bucketed, reduce_dtype bfloat16] ``DDPBucketed(bucket_size_mb=MB,
+                reduce_dtype=torch.bfloat16)``: gradients travel and are averaged in bfloat16.
+    torch_bf16  [torch, reduce_dtype bfloat16] PyTorch DDP with its ``bf16_compress_hook``
+                (the same idea, PyTorch's way).
 
 Exposed communication, two ways (both reported):
     sync wait   time from the end of ``loss.backward()`` to the end of the synchronisation
@@ -40,13 +48,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.bench.arguments import DDP_VARIANTS
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
+    make_variant,
     measure_variants,
     rank_batches,
     rank_device,
@@ -54,45 +63,21 @@ from lab2_trainer.bench.distributed import (
     run_step,
     summarize,
 )
-from lab2_trainer.bench.steps import make_optimizer
 from lab2_trainer.bench.trace_overlap import nccl_overlap
 from lab2bench.suites import SuiteOutput
 
-NAME = "ddp"
-HELP = ("DDP variants (naive, flat, individual, bucketed sweep) vs torch DDP: step time and "
-        "exposed communication, N ranks in one run")
 DEFAULT_BUCKETS = [1.0, 5.0, 25.0, 100.0]
 SWEEP_BUCKETS = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 500.0]
-KINDS = ("local", "naive", "flat", "individual", "bucketed", "torch", "bucketed_bf16",
-         "torch_bf16")
 BUCKETED_KINDS = ("bucketed", "bucketed_bf16")  # run once per bucket size
-DEFAULT_KINDS = KINDS[:6]  # the bfloat16-wire variants run when asked for
 COLUMNS = ["preset", "variant", "step_ms", "step_std_ms", "ratio_to_torch", "backward_ms",
            "sync_wait_ms", "sync_wait_share", "overhead_vs_local_ms", "exposed_share_vs_local"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(DEFAULT_KINDS),
-                        help=f"comma-separated, from {', '.join(KINDS)} (bucketed runs once "
-                             "per bucket size)")
-    parser.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",")],
-                        default=None, help="bucket sizes in MB for 'bucketed' "
-                                           "(default 1,5,25,100)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="bucket sizes 1,5,10,25,50,100,500 MB")
-    parser.add_argument("--torch-bucket-mb", type=float, default=25.0,
-                        help="bucket_cap_mb of PyTorch DDP (default 25)")
-    parser.add_argument("--trace", action="store_true",
-                        help="profile one extra step per variant (Chrome traces under --out); "
-                             "on CUDA also report the NCCL/compute overlap")
-
-
 def variant_names(args: argparse.Namespace) -> list[str]:
-    bad = [k for k in args.variants if k not in KINDS]
+    bad = [k for k in args.variants if k not in DDP_VARIANTS]
     if bad:
         raise SystemExit(f"lab2-train bench ddp: unknown variant(s) {', '.join(bad)}; "
-                         f"choose from {', '.join(KINDS)}")
+                         f"choose from {', '.join(DDP_VARIANTS)}")
     buckets = SWEEP_BUCKETS if args.sweep else (args.bucket_mb or DEFAULT_BUCKETS)
     if any(b <= 0 for b in buckets):
         raise SystemExit("lab2-train bench ddp: bucket sizes must be > 0")
@@ -171,44 +156,23 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
         out.add(conf, metrics)
 
 
+#: The ``GradSync`` kind of each variant (``bucketed`` and ``bucketed_bf16`` take their bucket
+#: size from the variant's name, ``bucketed:25``).
+DDP_KIND = {"local": "none", "naive": "naive", "flat": "flat", "individual": "individual",
+            "bucketed": "bucketed", "torch": "torch", "bucketed_bf16": "bucketed",
+            "torch_bf16": "torch"}
+
+
 def build_variant(name: str, base: nn.Module, device: torch.device, spec: RankSpec) -> Variant:
-    """A fresh copy of the model wrapped as ``name`` says, with its AdamW."""
-    model = fresh_copy(base, device)
-    if name == "local":
-        return Variant(model, model, make_optimizer(model))
-    if name in ("naive", "flat"):
-        from minddp import all_reduce_gradients, broadcast_module
-
-        broadcast_module(model)
-        flat = name == "flat"
-        return Variant(model, model, make_optimizer(model),
-                       sync=lambda: all_reduce_gradients(model, flat=flat))
-    if name == "individual":
-        from minddp import DDPIndividualParameters
-
-        wrapper = DDPIndividualParameters(model)
-        return Variant(model, wrapper, make_optimizer(model),
-                       sync=wrapper.finish_gradient_synchronization)
+    """A fresh copy of the model with the trainer's ``GradSync`` of variant ``name`` and the
+    trainer's (unsharded) AdamW."""
     kind, _, mb = name.partition(":")
-    if kind in BUCKETED_KINDS and mb:
-        from minddp import DDPBucketed
-
-        wrapper = DDPBucketed(model, bucket_size_mb=float(mb),
-                              reduce_dtype=torch.bfloat16 if kind == "bucketed_bf16" else None)
-        return Variant(model, wrapper, make_optimizer(model),
-                       sync=wrapper.finish_gradient_synchronization)
-    if name in ("torch", "torch_bf16"):
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index] if device.type == "cuda" else None
-        wrapper = DistributedDataParallel(model, device_ids=ids,
-                                          bucket_cap_mb=spec.extra["torch_bucket_mb"])
-        if name == "torch_bf16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            wrapper.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        return Variant(model, wrapper, make_optimizer(model))
-    raise ValueError(f"unknown ddp variant {name!r}")
+    if kind not in DDP_KIND or (kind in BUCKETED_KINDS) != bool(mb):
+        raise ValueError(f"unknown ddp variant {name!r}")
+    bucket_mb = float(mb) if mb else spec.extra["torch_bucket_mb"]
+    reduce_dtype = torch.bfloat16 if kind.endswith("_bf16") else None
+    return make_variant(fresh_copy(base, device), DDP_KIND[kind], "none", device,
+                        bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
 
 
 def ddp_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:

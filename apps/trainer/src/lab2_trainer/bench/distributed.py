@@ -5,7 +5,9 @@ Every rank builds the same model from the same seed, then measures each variant 
 (another job starting, thermal limits) fall on every variant alike instead of on whichever
 ran last. A variant is rebuilt from a CPU copy of the initial model each time it runs, so all
 variants start from identical parameters and see identical batches, and only one variant's
-parameters, gradients and optimizer state are alive at once.
+parameters, gradients and optimizer state are alive at once. A variant is set up by the
+trainer's own code (``lab2_trainer.parallel``: ``GradSync`` and ``build_optimizer``), so
+what is measured is what trains.
 
 Each step starts after a barrier (so ranks start together, as they do in training after the
 previous step's collectives) and is timed at named points with ``StepMarks``: CUDA events
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab2_trainer.bench.steps import make_optimizer
 from lab2_trainer.bench.workload import (
     StepMarks,
     autocast,
@@ -36,6 +39,7 @@ from lab2_trainer.bench.workload import (
     free_memory,
     random_batch,
 )
+from lab2_trainer.parallel import GradSync
 
 #: The points of a step, in order; durations are measured from the step's start.
 POINTS = ("forward", "backward", "sync", "optimizer")
@@ -62,30 +66,34 @@ class RankSpec:
 
 @dataclass
 class Variant:
-    """One way of training, ready to step.
+    """One way of training, ready to step, built as the trainer builds it (:func:`make_variant`).
 
     Attributes:
         model: the bare model (its parameters, gradients and state are accounted).
-        call: what the forward goes through (a wrapper, or the model itself).
-        optimizer: steps the parameters.
-        sync: called after backward: waits for or performs the gradient averaging.
+        sync: the trainer's ``GradSync``: the forward goes through it (``sync(idx, tgt)``),
+            and ``sync.finish()`` after backward waits for or performs the averaging.
+        optimizer: steps the parameters (the trainer's AdamW, ``steps.make_optimizer``).
     """
 
     model: nn.Module
-    call: nn.Module
+    sync: GradSync
     optimizer: torch.optim.Optimizer
-    sync: Callable[[], None] = lambda: None
 
 
-def add_rank_arguments(parser: argparse.ArgumentParser, *, default_world_size: int = 2) -> None:
-    parser.add_argument("--world-size", type=int, default=default_world_size,
-                        help=f"ranks to spawn (default {default_world_size}; Gloo on the CPU, "
-                             "NCCL with one GPU per rank on CUDA)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="measure every variant this many times, order rotated each round "
-                             "(default 3; 1 with --quick)")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds before the ranks are killed (default 1800)")
+def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device, *,
+                 forward: nn.Module | None = None, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None) -> Variant:
+    """``model`` set up for training as the trainer sets it up: ``GradSync`` of kind ``ddp``
+    around ``forward`` (default the model; its compiled form with ``--compile``), then the
+    trainer's AdamW sharded as ``sharding`` says.
+
+    Args:
+        bucket_mb: bucket size of "bucketed" and "torch" (default 25, PyTorch DDP's).
+        reduce_dtype: the dtype gradients travel in (``GradSync``'s).
+    """
+    sync = GradSync(model, model if forward is None else forward, ddp, bucket_mb, device,
+                    reduce_dtype=reduce_dtype)
+    return Variant(model, sync, make_optimizer(model, sharding))
 
 
 def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
@@ -146,11 +154,11 @@ def run_step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: st
     marks.mark("start")
     v.optimizer.zero_grad(set_to_none=True)
     with autocast(precision, device):
-        _, loss = v.call(idx, tgt)
+        _, loss = v.sync(idx, tgt)
     marks.mark("forward")
     loss.backward()
     marks.mark("backward")
-    v.sync()
+    v.sync.finish()
     marks.mark("sync")
     v.optimizer.step()
     marks.mark("optimizer")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lab2_trainer.bench.steps import MODES, stats_metrics, time_modes
+from lab2_trainer.bench.arguments import MODES
+from lab2_trainer.bench.steps import stats_metrics, time_modes
 from lab2_trainer.bench.workload import (
     build_config,
     build_model,
@@ -29,15 +30,7 @@ from lab2_trainer.mfu import (
 )
 from lab2bench.suites import SuiteOutput
 
-NAME = "e2e"
-HELP = "forward and forward+backward time per preset (warm-up excluded, mean and std)"
 COLUMNS = ["preset", "params_M", "precision", "mode", "mean_ms", "std_ms", "tokens_per_s", "mfu"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--modes", type=lambda s: s.split(","),
-                        default=["forward", "forward_backward"],
-                        help=f"comma-separated, from {', '.join(MODES)}")
 
 
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:

@@ -26,18 +26,9 @@ from lab2_trainer.bench.workload import (
 )
 from lab2bench.suites import SuiteOutput
 
-NAME = "memory"
-HELP = "peak memory of forward, forward+backward and full AdamW step per preset/context length"
 COLUMNS = ["preset", "context_length", "precision", "region", "peak_MiB", "increase_MiB",
            "param_MiB", "grad_MiB", "optim_state_MiB"]
 MIB = 2**20
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context-lengths", type=lambda s: [int(x) for x in s.split(",")],
-                        default=None, help="comma-separated (default: --context-length)")
-    parser.add_argument("--no-snapshot", action="store_true",
-                        help="skip the CUDA memory snapshot of the full step")
 
 
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:

@@ -17,42 +17,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lab2_trainer.bench.arguments import MODES, NORMS
 from lab2_trainer.bench.e2e import row_config, time_preset
-from lab2_trainer.bench.steps import MODES, stats_metrics
+from lab2_trainer.bench.steps import stats_metrics
 from lab2bench.suites import SuiteOutput
 
-NAME = "norm"
-HELP = "norm swap in the full model: tritonnorm vs reference vs torch RMSNorm vs LayerNorm"
 COLUMNS = ["preset", "mode", "norm", "precision", "mean_ms", "std_ms", "speedup_vs_reference",
            "tokens_per_s"]
-NORMS = ["tritonnorm", "reference", "torch", "layernorm"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--norms", type=lambda s: s.split(","), default=NORMS,
-                        help=f"comma-separated, from {', '.join(NORMS)}")
-    parser.add_argument("--modes", type=lambda s: s.split(","),
-                        default=["forward_backward", "train_step"],
-                        help=f"comma-separated, from {', '.join(MODES)}")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds: each builds and times every norm's model once "
-                             "(default 3; 1 with --quick)")
-    g = parser.add_argument_group("profile")
-    g.add_argument("--profile", action="store_true",
-                   help="also profile a few steps of each norm's model (torch.profiler): the "
-                        "norm ops' CPU µs per call (forward op and backward node) and the top "
-                        "ops by CPU time; with --out, norm-profile.jsonl and .md")
-    g.add_argument("--profile-steps", type=int, default=None,
-                   help="profiled steps per norm, after --warmup steps (default 5; 2 with --quick)")
-    g.add_argument("--profile-mode", default="train_step", choices=list(MODES),
-                   help="the step profiled (default train_step)")
-    g.add_argument("--profile-top", type=int, default=15,
-                   help="rows of each top-ops table (default 15)")
-    g.add_argument("--profile-trace", action="store_true",
-                   help="with --out, also write a Chrome trace per profile "
-                        "(norm-profile-PRESET-NORM.trace.json; tens of MB for medium)")
-
-
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     from lab2bench import Stats
 

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.e2e import measure_preset
-from lab2_trainer.bench.steps import MODES
 from lab2_trainer.bench.workload import PRECISIONS
 from lab2bench.suites import SuiteOutput
 
-NAME = "precision"
-HELP = "fp32 vs bf16 (and fp16) autocast: forward, forward+backward and training step"
 COLUMNS = ["preset", "mode", "precision", "mean_ms", "std_ms", "speedup_vs_fp32",
            "tokens_per_s"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--precisions", type=lambda s: s.split(","), default=None,
-                        help="comma-separated (default fp32,bf16, plus fp16 on CUDA)")
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
-                        help=f"comma-separated, from {', '.join(MODES)}")
 
 
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:

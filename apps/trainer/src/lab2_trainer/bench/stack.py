@@ -8,7 +8,9 @@ Both models start from the same weights (norm weights are ones in all three norm
 2 Gloo ranks on the CPU (``--world-size 2``) and on one GPU in bf16 (``--device cuda
 --world-size 1 --precision bf16``).
 
-Both stacks step AdamW with its fused kernels on CUDA (as the trainer does). With
+Both stacks are set up by the trainer's own code (``lab2_trainer.parallel``): ``GradSync``
+("bucketed" or "torch") and ``build_optimizer`` ("zero1" or "torch" sharding), so both step
+the trainer's AdamW (decay and no-decay groups, fused kernels on CUDA). With
 ``--compile`` both models are compiled the same way, as the trainer compiles: the bare
 model goes through ``torch.compile`` and the DDP wrapper wraps the compiled module, so the
 wrappers' gradient hooks run after the compiled backward's gradients arrive. ``mfu`` is the
@@ -26,10 +28,10 @@ from torch import nn
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
+    make_variant,
     measure_variants,
     rank_batches,
     rank_device,
@@ -40,25 +42,12 @@ from lab2_trainer.bench.e2e import mfu_note
 from lab2_trainer.mfu import device_peak, matmul_parameters, mfu, training_flops_per_token
 from lab2bench.suites import SuiteOutput
 
-NAME = "stack"
-HELP = ("tokens/s: DDPBucketed + ShardedOptimizer + tritonnorm vs DistributedDataParallel + "
-        "ZeroRedundancyOptimizer + torch RMSNorm")
-KINDS = ("ours", "pytorch")
-LR, WEIGHT_DECAY = 1e-4, 0.1
+#: Each stack's gradient averaging and optimizer sharding, as the trainer's ``--ddp`` and
+#: ``--sharding`` name them.
+STACKS = {"ours": ("bucketed", "zero1"), "pytorch": ("torch", "torch")}
+KINDS = tuple(STACKS)
 COLUMNS = ["preset", "variant", "norm", "world_size", "precision", "compiled", "step_ms",
            "step_std_ms", "tokens_per_s", "mfu", "ratio_to_pytorch"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="DDPBucketed's bucket size (default 25, PyTorch DDP's default)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile both models (the same way) before wrapping them")
-    parser.add_argument("--backend", default=None,
-                        help="torch.compile backend (default inductor; aot_eager with --quick)")
-    parser.add_argument("--compile-mode", default=None,
-                        help="torch.compile mode (e.g. max-autotune)")
 
 
 def pytorch_norm() -> str:
@@ -110,30 +99,16 @@ def compile_label(compile_spec: dict | None) -> str:
 
 def build_variant(name: str, bases: dict[str, nn.Module], device: torch.device,
                   spec: RankSpec) -> Variant:
+    """A fresh copy of stack ``name``'s model, set up by the trainer's code: its ``GradSync``
+    and AdamW of the kinds ``STACKS`` names."""
     model = fresh_copy(bases[name], device)
     forward: nn.Module = model
     compile_spec = spec.extra.get("compile")
     if compile_spec is not None:
         forward = torch.compile(model, backend=compile_spec["backend"], mode=compile_spec["mode"])
-    adamw = dict(lr=LR, weight_decay=WEIGHT_DECAY)
-    if device.type == "cuda":
-        adamw["fused"] = True
-    if name == "ours":
-        from minddp import DDPBucketed
-        from zero1 import ShardedOptimizer
-
-        wrapper = DDPBucketed(forward, bucket_size_mb=spec.extra["bucket_mb"])
-        optimizer = ShardedOptimizer(list(model.parameters()), torch.optim.AdamW, **adamw)
-        return Variant(model, wrapper, optimizer, sync=wrapper.finish_gradient_synchronization)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = [device.index] if device.type == "cuda" else None
-    wrapper = DistributedDataParallel(forward, device_ids=ids,
-                                      bucket_cap_mb=spec.extra["bucket_mb"])
-    optimizer = ZeroRedundancyOptimizer(list(model.parameters()),
-                                        optimizer_class=torch.optim.AdamW, **adamw)
-    return Variant(model, wrapper, optimizer)
+    ddp, sharding = STACKS[name]
+    return make_variant(model, ddp, sharding, device, forward=forward,
+                        bucket_mb=spec.extra["bucket_mb"])
 
 
 def stack_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The timed units of the single-process suites: forward, forward+backward, training step."""
+"""The timed units of the single-process suites (forward, forward+backward, training step),
+and the AdamW every suite steps: the trainer's."""
 
 from __future__ import annotations
 
@@ -8,17 +9,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.workload import autocast
+from lab2_trainer.parallel import build_optimizer, fused_adamw_available
+from lab2_trainer.settings import TrainSettings
 
-MODES = ("forward", "forward_backward", "train_step")
+#: The learning rate every suite steps AdamW with.
+LR = 1e-4
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-4) -> torch.optim.Optimizer:
-    """The AdamW every suite steps with: fused kernels on CUDA, as the trainer uses;
-    PyTorch's default (foreach on CUDA, a loop on the CPU) elsewhere."""
-    params = list(model.parameters())
-    fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **fused)
+def make_optimizer(model: nn.Module, sharding: str = "none", *,
+                   lr: float = LR) -> torch.optim.Optimizer:
+    """The trainer's AdamW (``parallel.build_optimizer``), as every suite steps it: decay and
+    no-decay parameter groups, the trainer's default betas and weight decay, fused kernels
+    on CUDA (``fused_adamw_available``); sharded as ``sharding`` says ("none", "zero1" or
+    "torch", a collective to build on every rank)."""
+    defaults = TrainSettings()
+    device = next(model.parameters()).device
+    return build_optimizer(model, sharding, lr=lr, betas=(defaults.beta1, defaults.beta2),
+                           weight_decay=defaults.weight_decay,
+                           fused=fused_adamw_available(device))
 
 
 def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mode: str,

@@ -17,18 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab2_trainer.config import PRESETS, ModelConfig, model_config
+from lab2_trainer.config import ModelConfig, model_config
 from lab2_trainer.settings import PRECISIONS as _PRECISION_NAMES
 
 #: The micro model of ``--quick`` runs (a bench-only name next to the trainer's presets).
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)
 #: The trainer's precision table, as dtypes (float32 for "fp32", which runs no autocast).
 PRECISIONS = {name: getattr(torch, dtype or "float32") for name, dtype in _PRECISION_NAMES.items()}
-
-
-def preset_names() -> list[str]:
-    """Every preset a suite accepts: the trainer's plus ``micro``."""
-    return ["micro", *PRESETS]
 
 
 def build_config(preset: str, *, context_length: int, vocab_size: int | None = None,

@@ -1,10 +1,12 @@
 """Suite ``zero``: optimizer-state sharding, ours against PyTorch's, and unsharded AdamW.
 
 Variants (one launch of N ranks, same model, data and seed; gradients averaged by PyTorch's
-DistributedDataParallel in every variant, so only the optimizer differs):
-    adamw       unsharded ``torch.optim.AdamW`` on every rank.
-    sharded     ``zero1.ShardedOptimizer(params, AdamW)``.
-    torch_zero  ``torch.distributed.optim.ZeroRedundancyOptimizer(params, AdamW)``.
+DistributedDataParallel in every variant, so only the optimizer differs). Each is set up by
+the trainer's own code: ``GradSync`` ("torch") and ``build_optimizer`` with the sharding in
+brackets, the trainer's AdamW (decay and no-decay groups, fused kernels on CUDA):
+    adamw       [none] unsharded ``torch.optim.AdamW`` on every rank.
+    sharded     [zero1] ``zero1.ShardedOptimizer(groups, AdamW)``.
+    torch_zero  [torch] ``torch.distributed.optim.ZeroRedundancyOptimizer(groups, AdamW)``.
 
 Memory, the course handout's three points, measured on each variant's first step:
 peak of model setup (copy to the device, DDP, optimizer), peak of forward+backward (up to
@@ -20,16 +22,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-from torch import nn
-
+from lab2_trainer.bench.arguments import ZERO_VARIANTS
 from lab2_trainer.bench.distributed import (
     RankSpec,
     Variant,
-    add_rank_arguments,
     base_model,
     fresh_copy,
     launch,
+    make_variant,
     measure_variants,
     rank_batches,
     rank_device,
@@ -39,25 +39,16 @@ from lab2_trainer.bench.distributed import (
 from lab2_trainer.bench.workload import tensor_breakdown
 from lab2bench.suites import SuiteOutput
 
-NAME = "zero"
-HELP = ("ShardedOptimizer vs ZeroRedundancyOptimizer vs unsharded AdamW: memory at setup, "
-        "before and after the step, state bytes per rank, step time")
-KINDS = ("adamw", "sharded", "torch_zero")
 MIB = 2**20
-LR, WEIGHT_DECAY = 1e-4, 0.1
+#: Each variant's optimizer sharding, as the trainer's ``--sharding`` names it.
+SHARDING = {"adamw": "none", "sharded": "zero1", "torch_zero": "torch"}
 COLUMNS = ["preset", "variant", "optim_state_MiB", "state_vs_total_over_n", "param_MiB",
            "grad_MiB", "setup_peak_MiB", "before_step_peak_MiB", "after_step_peak_MiB",
            "step_ms", "step_std_ms", "optimizer_ms", "ratio_to_torch_zero"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_rank_arguments(parser)
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(KINDS),
-                        help=f"comma-separated, from {', '.join(KINDS)}")
-
-
 def run(args: argparse.Namespace, out: SuiteOutput) -> None:
-    bad = [k for k in args.variants if k not in KINDS]
+    bad = [k for k in args.variants if k not in ZERO_VARIANTS]
     if bad:
         raise SystemExit(f"lab2-train bench zero: unknown variant(s) {', '.join(bad)}")
     # The first step of each variant measures memory and is never timed.
@@ -83,26 +74,8 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     )
 
 
-def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    if name == "sharded":
-        from zero1 import ShardedOptimizer
-
-        return ShardedOptimizer(params, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
-    if name == "torch_zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR,
-                                       weight_decay=WEIGHT_DECAY)
-    raise ValueError(f"unknown zero variant {name!r}")
-
-
 def zero_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
     """One rank of the ``zero`` suite."""
-    from torch.nn.parallel import DistributedDataParallel
-
     from lab2bench import peak_memory
 
     device = rank_device()
@@ -112,13 +85,10 @@ def zero_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
 
     def build(name: str) -> Variant:
         with peak_memory(device) as mem:
-            model = fresh_copy(base, device)
-            ids = [device.index] if device.type == "cuda" else None
-            wrapper = DistributedDataParallel(model, device_ids=ids)
-            optimizer = optimizer_for(name, model)
-        setup_mem[name] = {"setup": mem.to_dict(), "after_setup": tensor_breakdown(model,
-                                                                                   optimizer)}
-        return Variant(model, wrapper, optimizer)
+            v = make_variant(fresh_copy(base, device), "torch", SHARDING[name], device)
+        setup_mem[name] = {"setup": mem.to_dict(),
+                           "after_setup": tensor_breakdown(v.model, v.optimizer)}
+        return v
 
     def first_step(name: str, v: Variant) -> dict[str, Any]:
         # The same step as run_step, split at the optimizer so each part gets its own peak.
@@ -128,8 +98,9 @@ def zero_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
         v.optimizer.zero_grad(set_to_none=True)
         with peak_memory(device) as before:
             with autocast(spec.precision, device):
-                _, loss = v.call(idx, tgt)
+                _, loss = v.sync(idx, tgt)
             loss.backward()
+            v.sync.finish()
             del loss
         before_parts = tensor_breakdown(v.model, v.optimizer)
         with peak_memory(device) as after:

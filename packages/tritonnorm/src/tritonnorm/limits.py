@@ -1,0 +1,27 @@
+"""The ranges of tritonnorm's arguments, in plain Python: code that checks its settings
+before torch is imported (a command line, whose ``--help`` must stay quick) checks them
+with the same definition as the norms.
+
+``import tritonnorm.limits`` imports neither torch nor triton (``tritonnorm/__init__.py``
+imports its exports on first use).
+"""
+
+from __future__ import annotations
+
+import math
+
+#: The range of ``eps``, as the end of an error's sentence ("eps must be ...").
+EPS_RANGE = "a finite number >= 0"
+
+
+def eps_in_range(eps: float) -> bool:
+    """Whether the number ``eps`` is finite and >= 0 (NaN is not)."""
+    return eps >= 0.0 and eps != math.inf
+
+
+def check_eps(eps: float) -> float:
+    """Return ``eps`` as a float, raising ValueError unless it is finite and >= 0."""
+    eps = float(eps)
+    if not eps_in_range(eps):
+        raise ValueError(f"eps must be {EPS_RANGE}, got {eps}")
+    return eps
