@@ -123,7 +123,9 @@ def _smoke(session: nox.Session, out: str, dist_name: str) -> None:
     # come from the dist folder where needed, and the package index otherwise.
     session.run("uv", "pip", "install", "-q", "--python", py, "--find-links", out,
                 f"{dist_name}{extra} @ file://{wheel}", external=True)
-    session.run(py, "-c", f"import {module}; print({module}.__name__, {module}.__version__)",
+    # __version__ must be the wheel's own version (both are written by hand).
+    session.run(py, "-c", f"import importlib.metadata as m, {module}; v = {module}.__version__; "
+                f"assert v == m.version('{dist_name}'), v; print({module}.__name__, v)",
                 external=True)
     if dist_name in SCRIPTS:
         session.run(os.path.join(venv, "bin", SCRIPTS[dist_name]), "--version", external=True)

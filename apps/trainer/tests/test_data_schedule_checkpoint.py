@@ -180,6 +180,27 @@ def test_save_atomic_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
     assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary left behind
 
 
+def test_an_interrupt_inside_torch_save_stays_an_interrupt(tmp_path, monkeypatch):
+    # torch's zip writer turns a KeyboardInterrupt (Ctrl-C, or SIGTERM in the trainer)
+    # into RuntimeError("unexpected pos ..."); the run must stop as interrupted.
+    path = tmp_path / "ckpt.pt"
+    save_atomic({"a": torch.ones(3)}, path)
+
+    def interrupted_save(obj, f):
+        f.write(b"partial")
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from None
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomic({"a": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
 def test_load_checkpoint_rejects_corrupt_foreign_and_old_files(tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")

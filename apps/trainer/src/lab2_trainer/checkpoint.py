@@ -47,7 +47,19 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         obj = seal(obj)
-    atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: _save_interruptible(obj, f))
+
+
+def _save_interruptible(obj: Any, f: Any) -> None:
+    """``torch.save``, except that Ctrl-C or SIGTERM arriving inside torch's zip writer
+    stops the run as an interrupt: the writer turns it into ``RuntimeError('unexpected
+    pos ...')`` with the interrupt as its context, which would read as a failed rank."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as err:
+        if isinstance(err.__context__, KeyboardInterrupt):
+            raise err.__context__ from None
+        raise
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ the launcher (:mod:`lab2bench.ranks`) name the rank which stopped answering.
   writes a heartbeat into shared memory and checks that its launcher is still its
   parent (the liveness check that also works where there is no ``prctl``). A rank whose
   launcher is gone shuts down as on SIGTERM, removes the rendezvous folder the launcher
-  can no longer remove, and is gone within :data:`ORPHAN_GRACE_S` seconds whatever it
-  was doing.
+  can no longer remove, and is gone within :data:`ORPHAN_GRACE_S` seconds of noticing
+  (one heartbeat at most: 4.5 s in all) whatever it was doing.
 * SIGTERM raises :class:`Terminated`, a ``KeyboardInterrupt``: the launcher and the
   ranks take the same orderly path as on Ctrl-C (the last checkpoint stays intact; a
   checkpoint being written is abandoned, its temporary file removed).
@@ -30,7 +30,10 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 HEARTBEAT_INTERVAL_S = 0.5
-ORPHAN_GRACE_S = 5.0
+# An orphan's orderly stop gets this long before os._exit; with the heartbeat that notices
+# the launcher gone, a rank is gone within 5 s of its launcher, even one blocked in a
+# collective (where a signal's Python handler cannot run).
+ORPHAN_GRACE_S = 4.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from tritonnorm.limits import check_eps
+
+__all__ = ["KERNEL_DTYPES", "check_eps", "check_residual", "check_rms_norm_args",
+           "kernel_args_ok", "kernel_eps"]
+
 # Dtypes the Triton kernels read and write; all of their arithmetic is float32.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -46,14 +51,6 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool =
         )
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-
-
-def check_eps(eps: float) -> float:
-    """Return ``eps`` as a float, raising ValueError unless it is finite and >= 0."""
-    eps = float(eps)
-    if not (eps >= 0.0 and eps != float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    return eps
 
 
 def kernel_args_ok(x, weight, eps) -> bool:
