@@ -126,6 +126,15 @@ def test_stack_suite(tmp_path, capsys):
     assert by_variant["ours"]["metrics"]["tokens_per_s"] > 0
 
 
+def test_stack_suite_back_to_back(tmp_path, capsys):
+    # Throughput timing: no barrier before each timed step, events read at the end.
+    records = run_suite(tmp_path, capsys, "stack", "--steps", "2", "--back-to-back")
+    assert {r["config"]["timing"] for r in records} == {"back to back"}
+    assert all(r["metrics"]["step_ms"] > 0 for r in records)
+    default = run_suite(tmp_path / "default", capsys, "stack", "--steps", "1")
+    assert {r["config"]["timing"] for r in default} == {"after a barrier"}
+
+
 def test_stack_suite_compiled(tmp_path, capsys):
     # Both stacks compiled the same way (here by the "eager" backend, which only traces);
     # MFU empty on the CPU.

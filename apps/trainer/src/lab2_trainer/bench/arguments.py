@@ -73,6 +73,10 @@ def add_rank_arguments(parser: argparse.ArgumentParser, *, default_world_size: i
                              "(default 3; 1 with --quick)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds before the ranks are killed (default 1800)")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="time throughput: timed steps run back to back, with no barrier "
+                             "and no synchronisation between them (default: each step after "
+                             "a barrier on an idle GPU, its latency)")
 
 
 def _e2e(parser: argparse.ArgumentParser) -> None:

@@ -62,6 +62,7 @@ from lab2_trainer.bench.distributed import (
     rank_spec,
     run_step,
     summarize,
+    timing_label,
 )
 from lab2_trainer.bench.trace_overlap import nccl_overlap
 from lab2bench.suites import SuiteOutput
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     out.table(COLUMNS + (["overlap_share", "nccl_exposed_share"] if args.trace else []),
               title=f"ddp: {args.world_size} ranks, {args.device}, {args.precision}, batch "
                     f"{args.batch_size}/rank x context {args.context_length}, "
-                    f"{args.steps} timed steps x {args.rounds} rounds")
+                    f"{args.steps} timed steps x {args.rounds} rounds, steps timed "
+                    f"{timing_label(args)}")
     out.note(METHOD)
     sweep = [r for r in out.rows if r["bucket_mb"] is not None]
     out.plot("bucket-sweep", x="bucket_mb", y="step_ms", series="preset", rows=sweep,
@@ -137,7 +139,8 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
                 "world_size": args.world_size, "device": args.device,
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
-                "rounds": args.rounds, "warmup": args.warmup}
+                "rounds": args.rounds, "warmup": args.warmup,
+                "timing": timing_label(args)}
         metrics = {
             **s,
             "ratio_to_torch": s["step_ms"] / torch_ms if torch_ms else None,

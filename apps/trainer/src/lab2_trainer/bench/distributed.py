@@ -12,7 +12,11 @@ what is measured is what trains.
 Each step starts after a barrier (so ranks start together, as they do in training after the
 previous step's collectives) and is timed at named points with ``StepMarks``: CUDA events
 on the compute stream on GPU (nothing inside the step synchronises, so overlap is left
-intact), wall time on the CPU.
+intact), wall time on the CPU. The barrier and the reading of a step's events drain the
+GPU's queue, so the host time of a step is never hidden behind the previous step's
+kernels: the figure is the step's latency. ``--back-to-back`` measures throughput instead,
+as a training loop runs: no barrier, and the events are read once the variant's steps are
+over; a step then lasts from the GPU reaching its first event to it reaching its last.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class RankSpec:
     variants: list[str]
     overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    back_to_back: bool = False
 
 
 @dataclass
@@ -104,7 +109,13 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
                     batch_size=args.batch_size, vocab_size=args.vocab_size, norm=args.norm,
                     precision=args.precision, seed=args.seed, warmup=args.warmup,
                     steps=args.steps, rounds=args.rounds, variants=variants,
-                    overrides=dict(args.overrides), extra=extra)
+                    overrides=dict(args.overrides), extra=extra,
+                    back_to_back=getattr(args, "back_to_back", False))
+
+
+def timing_label(args: argparse.Namespace) -> str:
+    """How the steps were timed, for records and titles (see the module docstring)."""
+    return "back to back" if getattr(args, "back_to_back", False) else "after a barrier"
 
 
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
@@ -149,6 +160,12 @@ def fresh_copy(base: nn.Module, device: torch.device) -> nn.Module:
 def run_step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
              device: torch.device) -> dict[str, float]:
     """One training step, timed at every point of :data:`POINTS` (seconds from its start)."""
+    return step_marks(v, batch, precision, device).durations()
+
+
+def step_marks(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
+               device: torch.device) -> StepMarks:
+    """One training step, marked at every point of :data:`POINTS`; read the marks later."""
     idx, tgt = batch
     marks = StepMarks(device)
     marks.mark("start")
@@ -162,7 +179,7 @@ def run_step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: st
     marks.mark("sync")
     v.optimizer.step()
     marks.mark("optimizer")
-    return marks.durations()
+    return marks
 
 
 def measure_variants(
@@ -200,15 +217,21 @@ def measure_variants(
             free_memory(device)
             v = build(name)
             batches = batches_for(name)
+            timed: list[StepMarks] = []
             for i in range(spec.warmup + spec.steps):
                 batch = batches[i % len(batches)]
-                dist.barrier()
+                if not spec.back_to_back or i <= spec.warmup:  # timed steps start together
+                    dist.barrier()
                 if i == 0 and on_first_step is not None and rnd == 0:
                     results[name]["first_step"] = on_first_step(name, v)
                     continue
-                d = run_step(v, batch, spec.precision, device)
-                if i >= spec.warmup:
-                    results[name]["steps"].append(d)
+                if i < spec.warmup:
+                    run_step(v, batch, spec.precision, device)
+                elif spec.back_to_back:
+                    timed.append(step_marks(v, batch, spec.precision, device))
+                else:
+                    results[name]["steps"].append(run_step(v, batch, spec.precision, device))
+            results[name]["steps"] += [marks.durations() for marks in timed]
             if after_variant is not None:
                 after_variant(name, v, rnd)
             del v

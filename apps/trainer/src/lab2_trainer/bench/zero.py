@@ -35,6 +35,7 @@ from lab2_trainer.bench.distributed import (
     rank_device,
     rank_spec,
     summarize,
+    timing_label,
 )
 from lab2_trainer.bench.workload import tensor_breakdown
 from lab2bench.suites import SuiteOutput
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         columns = [c.replace("_peak_MiB", "_increase_MiB") for c in COLUMNS]
     out.table(columns, title=f"zero: {args.world_size} ranks, {args.device}, {args.precision}, "
                              f"batch {args.batch_size}/rank x context {args.context_length}; "
-                             "memory of rank 0 (state ratio: worst rank)")
+                             f"steps timed {timing_label(args)}; memory of rank 0 (state ratio: "
+                             "worst rank)")
     out.note(
         "Memory is of each variant's first step on rank 0 (peaks from lab2bench.peak_memory: "
         "CUDA allocator, or sampled RSS on the CPU where the *_increase figures in the JSONL "
@@ -141,7 +143,7 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str,
                 "world_size": args.world_size, "device": args.device,
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
-                "rounds": args.rounds}
+                "rounds": args.rounds, "timing": timing_label(args)}
         s = summary[name]
         metrics = {
             "param_MiB": parts["param_bytes"] / MIB,
