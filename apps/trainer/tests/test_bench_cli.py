@@ -126,13 +126,13 @@ def test_stack_suite(tmp_path, capsys):
     assert by_variant["ours"]["metrics"]["tokens_per_s"] > 0
 
 
-def test_stack_suite_back_to_back(tmp_path, capsys):
-    # Throughput timing: no barrier before each timed step, events read at the end.
-    records = run_suite(tmp_path, capsys, "stack", "--steps", "2", "--back-to-back")
-    assert {r["config"]["timing"] for r in records} == {"back to back"}
+def test_stack_suite_latency_timing(tmp_path, capsys):
+    # Throughput by default (steps back to back); latency: a barrier before each step.
+    records = run_suite(tmp_path, capsys, "stack", "--steps", "2", "--timing", "latency")
+    assert {r["config"]["timing"] for r in records} == {"after a barrier"}
     assert all(r["metrics"]["step_ms"] > 0 for r in records)
     default = run_suite(tmp_path / "default", capsys, "stack", "--steps", "1")
-    assert {r["config"]["timing"] for r in default} == {"after a barrier"}
+    assert {r["config"]["timing"] for r in default} == {"back to back"}
 
 
 def test_stack_suite_compiled(tmp_path, capsys):

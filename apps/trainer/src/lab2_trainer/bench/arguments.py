@@ -73,10 +73,10 @@ def add_rank_arguments(parser: argparse.ArgumentParser, *, default_world_size: i
                              "(default 3; 1 with --quick)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds before the ranks are killed (default 1800)")
-    parser.add_argument("--back-to-back", action="store_true",
-                        help="time throughput: timed steps run back to back, with no barrier "
-                             "and no synchronisation between them (default: each step after "
-                             "a barrier on an idle GPU, its latency)")
+    parser.add_argument("--timing", choices=("throughput", "latency"), default="throughput",
+                        help="throughput (default): the timed steps run back to back, as in "
+                             "training, and their events are read at the end; latency: each "
+                             "step starts after a barrier on an idle GPU")
 
 
 def _e2e(parser: argparse.ArgumentParser) -> None:

@@ -9,14 +9,13 @@ parameters, gradients and optimizer state are alive at once. A variant is set up
 trainer's own code (``lab2_trainer.parallel``: ``GradSync`` and ``build_optimizer``), so
 what is measured is what trains.
 
-Each step starts after a barrier (so ranks start together, as they do in training after the
-previous step's collectives) and is timed at named points with ``StepMarks``: CUDA events
-on the compute stream on GPU (nothing inside the step synchronises, so overlap is left
-intact), wall time on the CPU. The barrier and the reading of a step's events drain the
-GPU's queue, so the host time of a step is never hidden behind the previous step's
-kernels: the figure is the step's latency. ``--back-to-back`` measures throughput instead,
-as a training loop runs: no barrier, and the events are read once the variant's steps are
-over; a step then lasts from the GPU reaching its first event to it reaching its last.
+Each step is timed at named points with ``StepMarks``: CUDA events on the compute stream
+on GPU (nothing inside the step synchronises, so overlap is left intact), wall time on the
+CPU. ``--timing throughput`` (the default) runs the timed steps back to back, as a training
+loop does, and reads the events once they are over: a step lasts from the GPU reaching its
+first event to it reaching its last, so tokens/s is a training run's. ``--timing latency``
+starts each step after a barrier and reads its events at once, which drains the GPU's
+queue: a step's host time is then never hidden behind the previous step's kernels.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ class RankSpec:
     variants: list[str]
     overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    back_to_back: bool = False
+    back_to_back: bool = True
 
 
 @dataclass
@@ -110,12 +109,14 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
                     precision=args.precision, seed=args.seed, warmup=args.warmup,
                     steps=args.steps, rounds=args.rounds, variants=variants,
                     overrides=dict(args.overrides), extra=extra,
-                    back_to_back=getattr(args, "back_to_back", False))
+                    back_to_back=getattr(args, "timing", "throughput") == "throughput")
 
 
 def timing_label(args: argparse.Namespace) -> str:
     """How the steps were timed, for records and titles (see the module docstring)."""
-    return "back to back" if getattr(args, "back_to_back", False) else "after a barrier"
+    if getattr(args, "timing", "throughput") == "throughput":
+        return "back to back"
+    return "after a barrier"
 
 
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
