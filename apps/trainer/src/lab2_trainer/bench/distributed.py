@@ -109,14 +109,16 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
                     precision=args.precision, seed=args.seed, warmup=args.warmup,
                     steps=args.steps, rounds=args.rounds, variants=variants,
                     overrides=dict(args.overrides), extra=extra,
-                    back_to_back=getattr(args, "timing", "throughput") == "throughput")
+                    back_to_back=_throughput(args))
+
+
+def _throughput(args: argparse.Namespace) -> bool:
+    return getattr(args, "timing", "throughput") == "throughput"
 
 
 def timing_label(args: argparse.Namespace) -> str:
     """How the steps were timed, for records and titles (see the module docstring)."""
-    if getattr(args, "timing", "throughput") == "throughput":
-        return "back to back"
-    return "after a barrier"
+    return "back to back" if _throughput(args) else "after a barrier"
 
 
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
