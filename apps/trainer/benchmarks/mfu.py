@@ -1,7 +1,8 @@
 """Model FLOPs utilisation of one training stack on one GPU, compiled, at a chosen batch.
 
 Builds the trainer's model, compiles it, wraps it as the trainer does (``GradSync``,
-``build_optimizer``), times training steps with CUDA events and prints tokens/s and MFU
+``build_optimizer``, through the bench suites' ``make_variant``), times training steps
+with CUDA events and prints tokens/s and MFU
 (``lab2_trainer.mfu``: 6·N + attention FLOPs per token over the GPU's dense bf16 peak).
 ``--profile`` adds the device time per step by kernel family (matrix products,
 attention, the norm, AdamW, NCCL, the rest), the way to see what is left to win.
@@ -27,7 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.bench.workload import autocast, build_config, build_model, random_batch
+from lab2_trainer.bench.distributed import make_variant, step_marks
+from lab2_trainer.bench.workload import build_config, build_model, random_batch
 from lab2_trainer.mfu import (
     device_label,
     device_peak,
@@ -35,7 +37,6 @@ from lab2_trainer.mfu import (
     mfu,
     training_flops_per_token,
 )
-from lab2_trainer.parallel import GradSync, build_optimizer
 
 STACKS = {  # norm, ddp kind, sharding
     "ours": ("tritonnorm", "bucketed", "zero1"),
@@ -87,19 +88,12 @@ def main() -> None:
     config = build_config(args.preset, context_length=args.context_length,
                           vocab_size=args.vocab_size, norm=norm)
     model = build_model(config, device, seed=0)
-    sync = GradSync(model, torch.compile(model, mode=args.mode), ddp, 25.0, device)
-    optimizer = build_optimizer(model, sharding, lr=1e-4, betas=(0.9, 0.95),
-                                weight_decay=0.1, fused=True)
+    variant = make_variant(model, ddp, sharding, device,
+                           forward=torch.compile(model, mode=args.mode))
     batches = [random_batch(config, args.batch_size, device, seed=i) for i in range(2)]
 
     def step(i: int) -> None:
-        idx, targets = batches[i % 2]
-        optimizer.zero_grad(set_to_none=True)
-        with autocast("bf16", device):
-            _, loss = sync(idx, targets)
-        loss.backward()
-        sync.finish()
-        optimizer.step()
+        step_marks(variant, batches[i % 2], "bf16", device)  # its marks go unread
 
     start = time.perf_counter()
     for i in range(3):  # compiles in the first calls
