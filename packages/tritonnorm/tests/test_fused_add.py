@@ -119,10 +119,28 @@ def test_only_weight_or_only_inputs_need_grad(kernel_device):
 def test_kernels_reject_mismatched_residual(kernel_device):
     x, r, w, _, _ = _inputs((4, 32), torch.float32, torch.float32, torch.float32, 1,
                             kernel_device)
+    # A valid call first: on CUDA it records a launch plan for this shape, which a call
+    # with a residual elsewhere must not reuse (the launch takes bare addresses).
+    FusedAddRMSNormFunction.apply(x, r, w, 1e-5)
     with pytest.raises(ValueError, match="residual"):
         FusedAddRMSNormFunction.apply(x, r[:, :16], w, 1e-5)
     with pytest.raises(ValueError, match="residual"):
         FusedAddRMSNormFunction.apply(x, r.to("meta"), w, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        FusedAddRMSNormFunction.apply(x, r.cpu() if x.is_cuda else r.to("meta"), w, 1e-5)
+
+
+@pytest.mark.triton
+def test_only_the_sum_is_used(kernel_device):
+    # y unused: its gradient comes as None, and the sum's gradient passes to x and the
+    # residual unchanged (in each one's dtype); the weight gets none.
+    x, r, w, _, ds = _inputs((2, 5, 40), torch.bfloat16, torch.float32, torch.float32, 4,
+                             kernel_device)
+    xa, ra, wa = (t.clone().requires_grad_() for t in (x, r, w))
+    _, s = FusedAddRMSNormFunction.apply(xa, ra, wa, 1e-5)
+    s.backward(ds)
+    assert torch.equal(xa.grad, ds) and ra.grad.dtype == torch.float32
+    assert torch.equal(ra.grad, ds.float()) and wa.grad is None
 
 
 @settings(deadline=None)

@@ -48,7 +48,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     one Triton kernel each way.
 
     The forward reads x and residual once and writes s and y; it saves s, weight and
-    rstd. The backward reads dy, ds (the gradient reaching s directly) and s once, and
+    rstd. The backward reads dy, ds (the gradient reaching s directly, when s was used)
+    and s once, and
     writes one gradient shared by x and residual (plus a copy in the residual's dtype when
     that differs from x's) and dweight.
     """
@@ -61,10 +62,17 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
                                                     out_dtype=out_dtype)
         ctx.residual_dtype = residual.dtype
         ctx.save_for_backward(s, weight, rstd)
+        # An unused output's gradient comes as None rather than a tensor of zeros made
+        # for it (an allocation and a fill): the last norm of a model uses y alone.
+        ctx.set_materialize_grads(False)
         return y, s
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor, grad_sum: torch.Tensor):
+    def backward(ctx, grad_y: torch.Tensor | None, grad_sum: torch.Tensor | None):
+        if grad_y is None:  # only the sum was used: it passes its gradient on unchanged
+            if grad_sum is None:
+                return None, None, None, None, None
+            return grad_sum, grad_sum.to(ctx.residual_dtype), None, None, None
         s, weight, rstd = ctx.saved_tensors
         dx, dr, dw = kernels.fused_add_rms_norm_bwd(
             grad_y, grad_sum, s, weight, rstd, ctx.residual_dtype,

@@ -142,45 +142,50 @@ class LaunchCache:
     """Launches whose every argument but the tensors' addresses follows from a key.
 
     The launchers key a call by what fixes the grid and the scalar arguments (shapes,
-    strides, dtypes, flags); once a launch through ``launch`` has been recorded, a call
+    dtypes, devices, flags); once a launch through ``launch`` has been recorded, a call
     with the same key costs the addresses, one alignment test and Triton's bare launcher:
     no argument walk, no specialisation key. Only launches whose tensors were all 16-byte
     aligned are recorded; a call whose tensors are not takes the full path.
+
+    A plan is ``(compiled, grid, tail, n_ptrs, extra)``: the kernel, its grid, its scalar
+    and constexpr arguments, how many addresses come first, and whatever else the caller
+    recorded with it (the forward: a tensor to allocate its per-row statistic like).
     """
 
     def __init__(self) -> None:
         self._plans: dict = {}
 
     def get(self, key):
-        """The recorded plan ``(compiled, grid, tail, n_ptrs)`` for ``key``, or None where there is
-        none or it cannot be used now (direct launches off, a launch hook registered)."""
+        """The recorded plan for ``key``, or None where there is none or it cannot be
+        used now (direct launches off, a launch hook registered)."""
         if not OPTIONS.direct_launch or not _hooks_idle():
             return None
         return self._plans.get(key)
 
     @staticmethod
-    def launch(plan, device: int, ptrs: tuple) -> bool:
-        """Launch ``plan`` with these addresses (the kernel's first arguments, in order);
-        False, launching nothing, when one of them is not 16-byte aligned."""
+    def launch(plan, stream: int, ptrs: tuple) -> bool:
+        """Launch ``plan`` on the raw CUDA ``stream`` with these addresses (the kernel's
+        first arguments, in order); False, launching nothing, when one of them is not
+        16-byte aligned."""
         align = 0
         for p in ptrs:
             align |= p
         if align & 15:
             return False
-        compiled, grid, tail, _ = plan
-        compiled.run(grid[0], grid[1], grid[2], current_stream(device), compiled.function,
+        compiled, grid, tail = plan[0], plan[1], plan[2]
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
                      compiled.packed_metadata, None, None, None, *ptrs, *tail)
         return True
 
     def record(self, key, compiled, grid: tuple, args: tuple, n_ptrs: int,
-               consts: tuple) -> None:
-        """Remember a launch that just ran: ``compiled`` as ``launch`` returned it, and
-        its arguments, of which the first ``n_ptrs`` are the tensors."""
+               consts: tuple, extra=None) -> None:
+        """Remember a launch that just ran: ``compiled`` as ``launch`` returned it, its
+        arguments, of which the first ``n_ptrs`` are the tensors, and ``extra``."""
         if compiled is None or any(a.data_ptr() & 15 for a in args[:n_ptrs]):
             return
         if len(self._plans) >= _MAX_COMPILED:
             self._plans.clear()
-        self._plans[key] = (compiled, grid, (*args[n_ptrs:], *consts), n_ptrs)
+        self._plans[key] = (compiled, grid, (*args[n_ptrs:], *consts), n_ptrs, extra)
 
 
 def launch_traceable(kernel, grid: tuple[int, int, int], args: tuple, consts: tuple,

@@ -26,13 +26,37 @@ COUNTER_POOL_SIZE = 1024
 _PARTIALS: dict = {}
 
 
+def _pick_capture_check():
+    raw = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return raw if raw is not None else torch.cuda.is_current_stream_capturing
+
+
+# Looked up once: the check runs on every eager backward.
+_capturing = _pick_capture_check()
+
+
 def eager_stream(x: torch.Tensor) -> tuple[int, int] | None:
     """(device, current stream) of an eager launch on ``x``'s GPU, the key of what
     launches on one stream share; None on the CPU or while a CUDA graph is captured."""
     device = x.get_device()
-    if device < 0 or torch.cuda.is_current_stream_capturing():
+    if device < 0 or _capturing():
         return None
     return device, current_stream(device)
+
+
+def eager_scratch(x: torch.Tensor, n_prog: int, n_cols: int
+                  ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """(raw stream, partials buffer, zeroed counters) of an eager folded backward on
+    ``x``'s GPU, with one stream query for all three; None on the CPU or while a CUDA
+    graph is captured (the launch then needs memory of its own)."""
+    key = eager_stream(x)
+    if key is None:
+        return None
+    counter = _COUNTERS.get(key)
+    buf = _PARTIALS.get(key)
+    if counter is None or buf is None or buf.shape[0] != n_prog or buf.shape[1] != n_cols:
+        return key[1], partials_buffer(x, n_prog, n_cols), fold_counter(x)
+    return key[1], buf, counter
 
 
 def fold_counter(x: torch.Tensor) -> torch.Tensor:
