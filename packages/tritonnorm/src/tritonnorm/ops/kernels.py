@@ -153,7 +153,8 @@ def fused_add_rms_norm_fwd(
 
 
 def _all_contiguous(*tensors) -> bool:
-    for t in tensors:
+    # A plain loop: a generator in all() costs more on this hot path.
+    for t in tensors:  # noqa: SIM110
         if t is not None and not t.is_contiguous():
             return False
     return True
@@ -325,8 +326,9 @@ def fused_add_rms_norm_bwd(
     traceable: bool = False, config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of ``fused_add_rms_norm_fwd``: x and residual get the same gradient, the
-    norm's dx plus ``grad_sum`` (None when the sum was not used). Returns (dx in s's dtype, dresidual in
-    ``residual_dtype`` (the same tensor when the dtypes agree), dweight or None)."""
+    norm's dx plus ``grad_sum`` (None when the sum was not used). Returns (dx in s's
+    dtype, dresidual in ``residual_dtype`` (the same tensor when the dtypes agree), dweight
+    or None)."""
     if grad_sum is not None and grad_sum.shape != s.shape:
         raise ValueError(f"grad_sum {tuple(grad_sum.shape)} must have the sum's shape "
                          f"{tuple(s.shape)}")
