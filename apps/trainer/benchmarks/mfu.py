@@ -73,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="device time by kernel family")
+    p.add_argument("--backward-thread", choices=("caller", "autograd"), default="caller",
+                   help="the thread that runs backward (default caller, as the trainer does)")
     return p.parse_args()
 
 
@@ -93,7 +95,8 @@ def main() -> None:
     batches = [random_batch(config, args.batch_size, device, seed=i) for i in range(2)]
 
     def step(i: int) -> None:
-        step_marks(variant, batches[i % 2], "bf16", device)  # its marks go unread
+        # its marks go unread
+        step_marks(variant, batches[i % 2], "bf16", device, args.backward_thread)
 
     start = time.perf_counter()
     for i in range(3):  # compiles in the first calls

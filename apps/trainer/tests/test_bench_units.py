@@ -66,7 +66,8 @@ def test_ddp_rows_exposed_shares():
              {"params": 10, "local": {"steps": steps(0.098)}, "torch": {"steps": steps(0.120)},
               "overlap": {"torch": {"nccl_ms": 20.0, "hidden_ms": 17.0, "hidden_share": 0.85}}}]
     args = argparse.Namespace(world_size=2, device="cpu", precision="fp32", batch_size=1,
-                              context_length=8, steps=1, rounds=1, warmup=0)
+                              context_length=8, steps=1, rounds=1, warmup=0,
+                              backward_thread="caller")
     out = SuiteOutput("ddp", None)
     add_rows(out, args, "tiny", ["local", "torch"], ranks)
     local, torch_row = out.rows

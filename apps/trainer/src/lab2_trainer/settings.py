@@ -21,6 +21,8 @@ DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
 SHARDING_KINDS = ("none", "zero1", "torch")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: Which thread runs backward (``TrainSettings.backward_thread``).
+BACKWARD_THREADS = ("caller", "autograd")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
@@ -75,6 +77,11 @@ class TrainSettings:
     """torch.compile's backend ("aot_eager" compiles in seconds and needs no C compiler)."""
     compile_mode: str | None = setting(None, group="optimisation", default_text="none")
     """torch.compile's mode, e.g. max-autotune."""
+    backward_thread: str = setting("caller", choices=BACKWARD_THREADS, group="optimisation")
+    """Which thread runs backward: "caller" (the training loop's own) or "autograd"
+    (PyTorch's default, a worker thread per device). Each rank drives one device, so the
+    worker only adds a hand-over, and Python code inside backward (tritonnorm's backward,
+    minddp's gradient hooks) runs markedly slower on it."""
     seed: int = setting(0, check="seed", group="optimisation")
     """Seed of the weights, the data order and the samples."""
     nproc: int | None = setting(None, check="int>=1", group="parallelism",

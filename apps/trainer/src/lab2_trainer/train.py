@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.checkpoint import (
     CHECKPOINT_NAME,
     FORMAT,
@@ -209,7 +210,8 @@ class Trainer:
                 scaled = loss / s.grad_accum
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
-                scaled.backward()
+                with backward_thread(s.backward_thread):
+                    scaled.backward()
             loss_sum += loss.detach()
         self.sync.finish()
         if self.scaler is not None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lab2_trainer.config import NORM_KINDS, PRESETS
-from lab2_trainer.settings import PRECISIONS
+from lab2_trainer.settings import BACKWARD_THREADS, PRECISIONS
 from lab2bench.suites.base import comma_list
 
 #: The units a single-device suite times: a forward (loss included), forward+backward,
@@ -58,6 +58,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     g.add_argument("--steps", type=int, default=None, help="timed steps")
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
+    g.add_argument("--backward-thread", default="caller", choices=list(BACKWARD_THREADS),
+                   help="the thread that runs backward: caller (default, as the trainer "
+                        "does) or autograd (PyTorch's default, its worker thread per device)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (per rank for ddp/zero/stack; default: 1 with "
                         "--quick, else torch's default, or cores // world size per rank)")

@@ -62,6 +62,7 @@ from lab2_trainer.bench.distributed import (
     rank_spec,
     run_step,
     summarize,
+    thread_label,
     timing_label,
 )
 from lab2_trainer.bench.trace_overlap import nccl_overlap
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
               title=f"ddp: {args.world_size} ranks, {args.device}, {args.precision}, batch "
                     f"{args.batch_size}/rank x context {args.context_length}, "
                     f"{args.steps} timed steps x {args.rounds} rounds, steps timed "
-                    f"{timing_label(args)}")
+                    f"{timing_label(args)}, {thread_label(args)}")
     out.note(METHOD)
     sweep = [r for r in out.rows if r["bucket_mb"] is not None]
     out.plot("bucket-sweep", x="bucket_mb", y="step_ms", series="preset", rows=sweep,
@@ -140,7 +141,8 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
                 "rounds": args.rounds, "warmup": args.warmup,
-                "timing": timing_label(args)}
+                "timing": timing_label(args),
+                "backward_thread": args.backward_thread}
         metrics = {
             **s,
             "ratio_to_torch": s["step_ms"] / torch_ms if torch_ms else None,
@@ -207,7 +209,7 @@ def traced_step(name: str, v: Variant, batch: Any, spec: RankSpec, rank: int,
         activities.append(ProfilerActivity.CUDA)
     dist.barrier()
     with profile(activities=activities) as prof:
-        run_step(v, batch, spec.precision, device)
+        run_step(v, batch, spec.precision, device, spec.backward_thread)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     trace_dir = spec.extra.get("trace_dir")

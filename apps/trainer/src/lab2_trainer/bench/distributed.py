@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.steps import make_optimizer
 from lab2_trainer.bench.workload import (
     StepMarks,
@@ -66,6 +67,7 @@ class RankSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     back_to_back: bool = True
+    backward_thread: str = "caller"
 
 
 @dataclass
@@ -109,7 +111,7 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
                     precision=args.precision, seed=args.seed, warmup=args.warmup,
                     steps=args.steps, rounds=args.rounds, variants=variants,
                     overrides=dict(args.overrides), extra=extra,
-                    back_to_back=_throughput(args))
+                    back_to_back=_throughput(args), backward_thread=args.backward_thread)
 
 
 def _throughput(args: argparse.Namespace) -> bool:
@@ -119,6 +121,11 @@ def _throughput(args: argparse.Namespace) -> bool:
 def timing_label(args: argparse.Namespace) -> str:
     """How the steps were timed, for records and titles (see the module docstring)."""
     return "back to back" if _throughput(args) else "after a barrier"
+
+
+def thread_label(args: argparse.Namespace) -> str:
+    """Which thread ran backward, for titles (``--backward-thread``)."""
+    return f"backward on the {args.backward_thread} thread"
 
 
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
@@ -161,14 +168,15 @@ def fresh_copy(base: nn.Module, device: torch.device) -> nn.Module:
 
 
 def run_step(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, backward_thread: str = "caller") -> dict[str, float]:
     """One training step, timed at every point of :data:`POINTS` (seconds from its start)."""
-    return step_marks(v, batch, precision, device).durations()
+    return step_marks(v, batch, precision, device, backward_thread).durations()
 
 
 def step_marks(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
-               device: torch.device) -> StepMarks:
-    """One training step, marked at every point of :data:`POINTS`; read the marks later."""
+               device: torch.device, backward_thread: str = "caller") -> StepMarks:
+    """One training step, marked at every point of :data:`POINTS`; read the marks later.
+    ``backward_thread`` is the trainer's setting of that name."""
     idx, tgt = batch
     marks = StepMarks(device)
     marks.mark("start")
@@ -176,7 +184,8 @@ def step_marks(v: Variant, batch: tuple[torch.Tensor, torch.Tensor], precision: 
     with autocast(precision, device):
         _, loss = v.sync(idx, tgt)
     marks.mark("forward")
-    loss.backward()
+    with backward_on(backward_thread):
+        loss.backward()
     marks.mark("backward")
     v.sync.finish()
     marks.mark("sync")
@@ -221,6 +230,7 @@ def measure_variants(
             v = build(name)
             batches = batches_for(name)
             timed: list[StepMarks] = []
+            thread = spec.backward_thread
             for i in range(spec.warmup + spec.steps):
                 batch = batches[i % len(batches)]
                 if not spec.back_to_back or i <= spec.warmup:  # timed steps start together
@@ -229,11 +239,12 @@ def measure_variants(
                     results[name]["first_step"] = on_first_step(name, v)
                     continue
                 if i < spec.warmup:
-                    run_step(v, batch, spec.precision, device)
+                    run_step(v, batch, spec.precision, device, thread)
                 elif spec.back_to_back:
-                    timed.append(step_marks(v, batch, spec.precision, device))
+                    timed.append(step_marks(v, batch, spec.precision, device, thread))
                 else:
-                    results[name]["steps"].append(run_step(v, batch, spec.precision, device))
+                    steps = results[name]["steps"]
+                    steps.append(run_step(v, batch, spec.precision, device, thread))
             results[name]["steps"] += [marks.durations() for marks in timed]
             if after_variant is not None:
                 after_variant(name, v, rnd)

@@ -81,7 +81,8 @@ def time_preset(args: argparse.Namespace, preset: str, *, norm: str | None, prec
     timed = wrap(model) if wrap is not None else model
     batch = random_batch(config, args.batch_size, args.device, seed=args.seed)
     stats = time_modes(timed, batch, modes=modes, precision=precision,
-                       device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps)
+                       device=model.tok_emb.weight.device, warmup=args.warmup, steps=args.steps,
+                       backward_thread=args.backward_thread)
     del model, timed, batch
     free_memory(args.device)
     return config, params, stats, train_flops
@@ -93,7 +94,8 @@ def row_config(args: argparse.Namespace, preset: str, params: int, norm: str, pr
     return {"preset": preset, "params_M": params / 1e6, "norm": norm,
             "precision": precision, "mode": mode, "batch_size": args.batch_size,
             "context_length": args.context_length, "device": args.device,
-            "warmup": args.warmup, "steps": args.steps, **(extra or {})}
+            "warmup": args.warmup, "steps": args.steps,
+            "backward_thread": args.backward_thread, **(extra or {})}
 
 
 def mfu_note(device: str) -> str:

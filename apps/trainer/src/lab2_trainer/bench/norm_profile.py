@@ -146,7 +146,7 @@ def profile_norm(args: argparse.Namespace, preset: str, norm: str, *, mode: str,
     batch = random_batch(config, args.batch_size, device, seed=args.seed)
     optimizer = make_optimizer(model) if mode == "train_step" else None
     step = make_step(model, batch, mode=mode, precision=args.precision, device=device,
-                     optimizer=optimizer)
+                     optimizer=optimizer, backward_thread=args.backward_thread)
     for _ in range(max(args.warmup, 1)):
         step()
     synchronize(device)

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         r["speedup_vs_reference"] = ref / r["mean_ms"] if ref and r["mean_ms"] > 0 else None
     out.table(COLUMNS, title=f"norm swap: batch {args.batch_size} x context "
                              f"{args.context_length}, {args.device}, {args.rounds} interleaved "
-                             f"round(s) x {args.steps} timed steps")
+                             f"round(s) x {args.steps} timed steps, backward on the "
+                             f"{args.backward_thread} thread")
     if args.profile:
         from lab2_trainer.bench.norm_profile import run_profiles
 

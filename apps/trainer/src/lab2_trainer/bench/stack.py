@@ -37,6 +37,7 @@ from lab2_trainer.bench.distributed import (
     rank_device,
     rank_spec,
     summarize,
+    thread_label,
     timing_label,
 )
 from lab2_trainer.bench.e2e import mfu_note
@@ -82,12 +83,13 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                     "precision": args.precision, "batch_size": args.batch_size,
                     "context_length": args.context_length, "steps": args.steps,
                     "rounds": args.rounds, "bucket_mb": args.bucket_mb,
-                    "compiled": compile_label(compile_spec), "timing": timing_label(args)}
+                    "compiled": compile_label(compile_spec), "timing": timing_label(args),
+                "backward_thread": args.backward_thread}
             util = mfu(tps, per_rank[0]["flops_per_token"], peak, devices=args.world_size)
             out.add(conf, {**s, "tokens_per_s": tps, "mfu": util, "ratio_to_pytorch": tps / ref})
     out.table(COLUMNS, title=f"stack: {args.world_size} ranks, {args.device}, batch "
                              f"{args.batch_size}/rank x context {args.context_length}, steps "
-                             f"timed {timing_label(args)}")
+                             f"timed {timing_label(args)}, {thread_label(args)}")
     out.note(mfu_note(args.device))
 
 

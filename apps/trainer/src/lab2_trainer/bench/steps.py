@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.workload import autocast
 from lab2_trainer.parallel import build_optimizer, fused_adamw_available
@@ -33,7 +34,8 @@ def make_optimizer(model: nn.Module, sharding: str = "none", *,
 
 def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mode: str,
               precision: str, device: torch.device,
-              optimizer: torch.optim.Optimizer | None = None) -> Callable[[], Any]:
+              optimizer: torch.optim.Optimizer | None = None,
+              backward_thread: str = "caller") -> Callable[[], Any]:
     """A no-argument callable running one unit of work on ``batch``.
 
     Args:
@@ -45,6 +47,8 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
         precision: "fp32", "bf16" or "fp16" (autocast).
         device: where the model is.
         optimizer: required for "train_step".
+        backward_thread: the thread that runs backward ("caller", as the trainer does, or
+            "autograd"; see ``lab2_trainer.backward_thread``).
     """
     idx, tgt = batch
     if mode not in MODES:
@@ -60,7 +64,9 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
     if mode == "forward_backward":
         def forward_backward() -> None:
             model.zero_grad(set_to_none=True)
-            loss_of().backward()
+            loss = loss_of()
+            with backward_on(backward_thread):
+                loss.backward()
         return forward_backward
     if optimizer is None:
         raise ValueError("mode 'train_step' needs an optimizer")
@@ -71,11 +77,11 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of()
+        with backward_on(backward_thread):
+            (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
-            loss.backward()
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
     return train_step
@@ -83,7 +89,7 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
 
 def time_modes(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
                modes: list[str], precision: str, device: torch.device, warmup: int,
-               steps: int) -> dict[str, Any]:
+               steps: int, backward_thread: str = "caller") -> dict[str, Any]:
     """``lab2bench.measure`` of each mode; returns ``{mode: Stats}``."""
     from lab2bench import measure
 
@@ -91,7 +97,7 @@ def time_modes(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *,
     out = {}
     for mode in modes:
         fn = make_step(model, batch, mode=mode, precision=precision, device=device,
-                       optimizer=optimizer)
+                       optimizer=optimizer, backward_thread=backward_thread)
         out[mode] = measure(fn, warmup=warmup, repeats=steps, device=device)
     model.zero_grad(set_to_none=True)
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import ZERO_VARIANTS
 from lab2_trainer.bench.distributed import (
     RankSpec,
@@ -35,6 +36,7 @@ from lab2_trainer.bench.distributed import (
     rank_device,
     rank_spec,
     summarize,
+    thread_label,
     timing_label,
 )
 from lab2_trainer.bench.workload import tensor_breakdown
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         columns = [c.replace("_peak_MiB", "_increase_MiB") for c in COLUMNS]
     out.table(columns, title=f"zero: {args.world_size} ranks, {args.device}, {args.precision}, "
                              f"batch {args.batch_size}/rank x context {args.context_length}; "
-                             f"steps timed {timing_label(args)}; memory of rank 0 (state ratio: "
+                             f"steps timed {timing_label(args)}, {thread_label(args)}; memory "
+                             "of rank 0 (state ratio: "
                              "worst rank)")
     out.note(
         "Memory is of each variant's first step on rank 0 (peaks from lab2bench.peak_memory: "
@@ -101,7 +104,8 @@ def zero_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
         with peak_memory(device) as before:
             with autocast(spec.precision, device):
                 _, loss = v.sync(idx, tgt)
-            loss.backward()
+            with backward_on(spec.backward_thread):
+                loss.backward()
             v.sync.finish()
             del loss
         before_parts = tensor_breakdown(v.model, v.optimizer)
@@ -143,7 +147,8 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str,
                 "world_size": args.world_size, "device": args.device,
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
-                "rounds": args.rounds, "timing": timing_label(args)}
+                "rounds": args.rounds, "timing": timing_label(args),
+                "backward_thread": args.backward_thread}
         s = summary[name]
         metrics = {
             "param_MiB": parts["param_bytes"] / MIB,
