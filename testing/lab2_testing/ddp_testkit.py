@@ -20,7 +20,8 @@ from minddp.model_check import check_model_consistency
 DTYPE = torch.float64
 VOCAB = 11
 SEQ = 5
-VARIANTS = ("naive", "flat", "individual", "bucketed_tiny", "bucketed_few", "bucketed_one")
+VARIANTS = ("naive", "flat", "individual", "bucketed_tiny", "bucketed_few", "bucketed_one",
+            "bucketed_reach")
 
 
 class FrozenUnusedMLP(nn.Module):
@@ -177,8 +178,11 @@ def wrap(
             "bucketed_tiny": 1e-9,
             "bucketed_few": few_buckets_mb(model),
             "bucketed_one": None,
+            # PyTorch DDP's rule: buckets close once they hold a sixth of the model.
+            "bucketed_reach": few_buckets_mb(model) / 2,
         }
-        ddp = DDPBucketed(model, cap[variant])
+        rule = "reach" if variant == "bucketed_reach" else "at_most"
+        ddp = DDPBucketed(model, cap[variant], bucket_rule=rule)
     return ddp, ddp.finish_gradient_synchronization
 
 

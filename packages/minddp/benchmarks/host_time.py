@@ -11,11 +11,13 @@ them alike.
     python packages/minddp/benchmarks/host_time.py --profile bucketed:0.01
 
 Variants: ``local`` (no wrapper), ``torch:MB`` (DistributedDataParallel, bucket_cap_mb),
-``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed). The default
+``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed), ``reach:MB``
+(DDPBucketed with ``bucket_rule="reach"``, PyTorch's way of cutting buckets). The default
 caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
 cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
 buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
-the cap (50 here, 50 for medium). ``bucketed:0.012`` has PyTorch's count (49).
+the cap (50 here, 50 for medium), as ``reach:0.008`` does. ``bucketed:0.012`` has
+PyTorch's count (49) by a larger cap.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
-                    "bucketed:0.008", "bucketed:0.012")
+                    "bucketed:0.008", "bucketed:0.012", "reach:0.008")
 
 
 class Block(nn.Module):
@@ -70,8 +72,8 @@ def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]
 
     if kind == "individual":
         ddp = DDPIndividualParameters(model)
-    elif kind == "bucketed":
-        ddp = DDPBucketed(model, float(mb))
+    elif kind in ("bucketed", "reach"):
+        ddp = DDPBucketed(model, float(mb), bucket_rule="reach" if kind == "reach" else "at_most")
     else:
         raise ValueError(f"unknown variant {variant!r}")
     return ddp, ddp.finish_gradient_synchronization

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minddp import TensorInfo, assign_buckets
+from minddp import BUCKET_RULES, TensorInfo, assign_buckets
 from minddp.bucket_plan import validate_bucket_size_mb
 
 MIB = 2**20
@@ -88,3 +88,34 @@ def test_bucket_size_must_be_positive_and_finite(bad):
 def test_bucket_size_must_be_a_number(bad):
     with pytest.raises(TypeError, match="bucket_size_mb"):
         validate_bucket_size_mb(bad)
+
+
+@given(infos=infos_strategy, cap=st.integers(1, 20000).map(lambda b: b / MIB), data=st.data())
+def test_reach_closes_a_bucket_once_it_holds_the_cap(infos, cap, data):
+    # PyTorch DDP's rule: the same partition properties, each bucket but the last of its
+    # group holds at least the cap, and none would still be under it without its last
+    # member.
+    order = data.draw(st.permutations(range(len(infos))))
+    buckets = assign_buckets(infos, cap, order, rule="reach")
+    assert sorted(i for b in buckets for i in b) == list(range(len(infos)))
+    for group in {"a", "b"}:
+        runs = [b for b in buckets if infos[b[0]].group == group]
+        assert [i for b in runs for i in b] == [i for i in order if infos[i].group == group]
+        for b in runs[:-1]:
+            assert _nbytes(infos, b) >= cap * MIB > _nbytes(infos, b[:-1])
+        if runs:
+            assert _nbytes(infos, runs[-1][:-1]) < cap * MIB
+
+
+def test_reach_makes_about_half_as_many_buckets():
+    # Equal parameters of 60 % of the cap: "at_most" puts each alone, "reach" pairs them.
+    infos = [TensorInfo(60, 1, "g") for _ in range(6)]
+    assert len(assign_buckets(infos, 100 / MIB)) == 6
+    assert assign_buckets(infos, 100 / MIB, rule="reach") == [[5, 4], [3, 2], [1, 0]]
+    assert assign_buckets(infos, None, rule="reach") == [[5, 4, 3, 2, 1, 0]]
+
+
+def test_unknown_rule_is_refused():
+    assert BUCKET_RULES == ("at_most", "reach")
+    with pytest.raises(ValueError, match="bucket_rule"):
+        assign_buckets([TensorInfo(1, 4, "g")], 1.0, rule="over")

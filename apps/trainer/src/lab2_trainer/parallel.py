@@ -30,10 +30,14 @@ class GradSync:
         reduce_dtype: the dtype gradients travel and are averaged in, for "bucketed"
             (DDPBucketed's ``reduce_dtype``) and "torch" (PyTorch's bfloat16 or float16
             compression hook); None: their own dtype.
+        bucket_rule: how ``bucket_mb`` cuts "bucketed"'s buckets (DDPBucketed's
+            ``bucket_rule``; PyTorch's DDP always closes a bucket once it reaches the size,
+            which is "reach").
     """
 
     def __init__(self, model: nn.Module, forward_module: nn.Module, kind: str, bucket_mb: float,
-                 device: torch.device, *, reduce_dtype: torch.dtype | None = None) -> None:
+                 device: torch.device, *, reduce_dtype: torch.dtype | None = None,
+                 bucket_rule: str = "reach") -> None:
         self.kind = kind
         self.model = model
         self.wrapper: nn.Module | None = None
@@ -44,7 +48,7 @@ class GradSync:
             from minddp import DDPBucketed
 
             self.wrapper = DDPBucketed(forward_module, bucket_size_mb=bucket_mb,
-                                       reduce_dtype=reduce_dtype)
+                                       reduce_dtype=reduce_dtype, bucket_rule=bucket_rule)
         elif kind == "individual":
             from minddp import DDPIndividualParameters
 

@@ -21,6 +21,8 @@ DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
 SHARDING_KINDS = ("none", "zero1", "torch")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: How ``bucket_mb`` cuts minddp's buckets (``minddp.BUCKET_RULES``; a test holds them equal).
+BUCKET_RULES = ("at_most", "reach")
 #: Which thread runs backward (``TrainSettings.backward_thread``).
 BACKWARD_THREADS = ("caller", "autograd")
 #: Local ranks when ``nproc`` is not given, by device type.
@@ -93,6 +95,11 @@ class TrainSettings:
     DistributedDataParallel (torch); none (one rank only)."""
     bucket_mb: float = setting(25.0, check="finite>0", group="parallelism")
     """DDP bucket size in MiB (bucketed and torch)."""
+    bucket_rule: str = setting("reach", choices=BUCKET_RULES, group="parallelism")
+    """How bucket_mb cuts minddp's buckets: "reach" closes a bucket once it holds
+    bucket_mb, as PyTorch DDP does (the same buckets as torch at the same size);
+    "at_most" lets none pass it (about twice as many buckets, each with its own host work
+    and collective)."""
     sharding: str | None = setting(None, choices=SHARDING_KINDS, group="parallelism",
                                    default_text="zero1 with >1 rank, else none")
     """Optimizer-state sharding: zero1's ShardedOptimizer, PyTorch's

@@ -140,7 +140,8 @@ class Trainer:
         if s.compile:
             forward_module = torch.compile(self.model, backend=s.compile_backend,
                                            mode=s.compile_mode)
-        self.sync = GradSync(self.model, forward_module, s.ddp, s.bucket_mb, ctx.device)
+        self.sync = GradSync(self.model, forward_module, s.ddp, s.bucket_mb, ctx.device,
+                             bucket_rule=s.bucket_rule)
         # Evaluation and sampling skip the DDP wrapper: no gradients, nothing to average.
         self.eval_module = forward_module
         self.optimizer = build_optimizer(self.model, s.sharding, lr=s.lr, betas=(s.beta1, s.beta2),

@@ -12,7 +12,7 @@ Four ways to average gradients across ranks, in order of speed:
 from minddp.allreduce import all_reduce_gradients
 from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
-from minddp.bucket_plan import TensorInfo, assign_buckets
+from minddp.bucket_plan import BUCKET_RULES, TensorInfo, assign_buckets
 from minddp.bucketed import DDPBucketed
 from minddp.individual import DDPIndividualParameters
 from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
@@ -21,6 +21,7 @@ from minddp.stats import SyncStats
 __version__ = "0.3.1"
 
 __all__ = [
+    "BUCKET_RULES",
     "Averager",
     "DDPBucketed",
     "DDPIndividualParameters",

@@ -7,6 +7,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 _MIB = 1024 * 1024
+#: How a cap cuts buckets: "at_most" never lets a bucket pass the cap (a parameter that
+#: would push it past opens the next one); "reach" closes a bucket once it reaches the
+#: cap, so each holds at least the cap but the last of a group, up to one parameter over
+#: it (PyTorch DDP's rule, which makes about half as many buckets).
+BUCKET_RULES = ("at_most", "reach")
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,18 @@ def validate_bucket_size_mb(bucket_size_mb: float | None) -> float | None:
     return float(bucket_size_mb)
 
 
+def validate_bucket_rule(rule: str) -> str:
+    """Return ``rule`` if it is one of :data:`BUCKET_RULES`, else raise ``ValueError``."""
+    if rule not in BUCKET_RULES:
+        raise ValueError(f"bucket_rule must be one of {', '.join(BUCKET_RULES)}, got {rule!r}")
+    return rule
+
+
 def assign_buckets(
     infos: Sequence[TensorInfo],
     bucket_size_mb: float | None,
     order: Sequence[int] | None = None,
+    rule: str = "at_most",
 ) -> list[list[int]]:
     """Group parameter indices into buckets, walking the parameters in ``order``.
 
@@ -46,21 +59,24 @@ def assign_buckets(
     registration order (backward roughly reverses forward), so the first bucket is
     the first to fill.
 
-    Rules: a bucket holds one group only (dtype/device); adding a parameter that
-    would push a bucket past ``bucket_size_mb`` MiB closes it and opens a new one; a
-    parameter larger than the cap therefore sits alone; None means no cap (one
-    bucket per group).
+    Rules: a bucket holds one group only (dtype/device); with ``rule="at_most"``
+    adding a parameter that would push a bucket past ``bucket_size_mb`` MiB closes it
+    and opens a new one, so a parameter larger than the cap sits alone; with
+    ``rule="reach"`` a bucket closes as soon as it holds ``bucket_size_mb`` MiB or
+    more; None means no cap (one bucket per group).
 
     Args:
         infos: one entry per parameter, in registration order.
         bucket_size_mb: cap per bucket in MiB (2**20 bytes), or None.
         order: a permutation of ``range(len(infos))``; None: reverse registration order.
+        rule: "at_most" or "reach" (:data:`BUCKET_RULES`).
 
     Returns:
         Buckets of indices into ``infos``, each listed in ``order``, the buckets sorted
         by where their first member comes in ``order``.
     """
     cap = validate_bucket_size_mb(bucket_size_mb)
+    reach = validate_bucket_rule(rule) == "reach"
     cap_bytes = None if cap is None else cap * _MIB
     if order is None:
         order = list(reversed(range(len(infos))))
@@ -73,11 +89,15 @@ def assign_buckets(
         info = infos[i]
         nbytes = info.numel * info.element_size
         members, size = open_bucket.get(info.group, ([], 0))
-        if members and cap_bytes is not None and size + nbytes > cap_bytes:
+        if not reach and members and cap_bytes is not None and size + nbytes > cap_bytes:
             closed.append(members)
             members, size = [], 0
         members.append(i)
-        open_bucket[info.group] = (members, size + nbytes)
-    closed.extend(members for members, _ in open_bucket.values())
+        size += nbytes
+        if reach and cap_bytes is not None and size >= cap_bytes:
+            closed.append(members)
+            members, size = [], 0
+        open_bucket[info.group] = (members, size)
+    closed.extend(members for members, _ in open_bucket.values() if members)
     closed.sort(key=lambda members: position[members[0]])
     return closed

@@ -13,7 +13,12 @@ from minddp._bulk import copy_all, zero_all
 from minddp._group import trainable_parameters
 from minddp._step import StepState
 from minddp._wrapper import DataParallelWrapper
-from minddp.bucket_plan import TensorInfo, assign_buckets, validate_bucket_size_mb
+from minddp.bucket_plan import (
+    TensorInfo,
+    assign_buckets,
+    validate_bucket_rule,
+    validate_bucket_size_mb,
+)
 
 
 @dataclass
@@ -34,7 +39,10 @@ class DDPBucketed(DataParallelWrapper):
 
     Buckets. Trainable parameters are grouped, walking them in reverse registration
     order, into buckets of at most ``bucket_size_mb`` MiB of gradients per
-    dtype/device (a larger parameter gets a bucket of its own; None: one bucket).
+    dtype/device (a larger parameter gets a bucket of its own; None: one bucket), or,
+    with ``bucket_rule="reach"``, into buckets that close once they reach it (PyTorch
+    DDP's rule: about half as many buckets, so half the per-bucket host work and
+    collectives, each bucket up to one parameter over the cap).
     Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view into
     it: the all-reduce runs on the buffer in place, and the optimizer reads the
     averaged gradients there, so nothing is copied out. Gradients autograd creates
@@ -80,6 +88,8 @@ class DDPBucketed(DataParallelWrapper):
             DDP's ``bf16_compress_hook`` does): each bucket is cast into a bfloat16
             copy when it launches and cast back after the wait, so the averaged
             gradients carry bfloat16 rounding (relative error about 4e-3).
+        bucket_rule: "at_most" (default: no bucket passes ``bucket_size_mb``) or "reach"
+            (a bucket closes once it holds ``bucket_size_mb``); see Buckets above.
 
     Attributes:
         bucket_parameter_names: the parameter names of each bucket, in launch order.
@@ -93,8 +103,10 @@ class DDPBucketed(DataParallelWrapper):
         *,
         process_group: dist.ProcessGroup | None = None,
         reduce_dtype: torch.dtype | None = None,
+        bucket_rule: str = "at_most",
     ):
         bucket_size_mb = validate_bucket_size_mb(bucket_size_mb)  # before any collective
+        self.bucket_rule = validate_bucket_rule(bucket_rule)
         if reduce_dtype is not None and not (
             isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
         ):
@@ -109,7 +121,8 @@ class DDPBucketed(DataParallelWrapper):
         self._infos = [
             TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in self._params
         ]
-        self._build_buckets(assign_buckets(self._infos, self.bucket_size_mb))
+        self._build_buckets(assign_buckets(self._infos, self.bucket_size_mb,
+                                           rule=self.bucket_rule))
         self._register_grad_hooks(self._params)
         self._reset_step_state()
 
@@ -242,7 +255,7 @@ class DDPBucketed(DataParallelWrapper):
 
     def _learn_order(self, order: list[int]) -> None:
         """Rebuild the buckets along the gradient order rank 0 observed (once)."""
-        plan = assign_buckets(self._infos, self.bucket_size_mb, order)
+        plan = assign_buckets(self._infos, self.bucket_size_mb, order, self.bucket_rule)
         if plan != self._plan:  # same on every rank: all ranks agreed on ``order``
             self._build_buckets(plan)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from lab2_trainer.config import NORM_KINDS, PRESETS
-from lab2_trainer.settings import BACKWARD_THREADS, PRECISIONS
+from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES, PRECISIONS
 from lab2bench.suites.base import comma_list
 
 #: The units a single-device suite times: a forward (loss included), forward+backward,
@@ -136,6 +136,12 @@ def _memory(parser: argparse.ArgumentParser) -> None:
                         help="skip the CUDA memory snapshot of the full step")
 
 
+def _bucket_rule(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bucket-rule", default="reach", choices=list(BUCKET_RULES),
+                        help="how the bucket size cuts DDPBucketed's buckets: reach (default, "
+                             "as the trainer and PyTorch DDP do) or at_most")
+
+
 def _ddp(parser: argparse.ArgumentParser) -> None:
     add_rank_arguments(parser)
     parser.add_argument("--variants", type=_split, default=list(DDP_DEFAULT_VARIANTS),
@@ -146,6 +152,7 @@ def _ddp(parser: argparse.ArgumentParser) -> None:
                                            "(default 1,5,25,100)")
     parser.add_argument("--sweep", action="store_true",
                         help="bucket sizes 1,5,10,25,50,100,500 MB")
+    _bucket_rule(parser)
     parser.add_argument("--torch-bucket-mb", type=float, default=25.0,
                         help="bucket_cap_mb of PyTorch DDP (default 25)")
     parser.add_argument("--trace", action="store_true",
@@ -163,6 +170,7 @@ def _stack(parser: argparse.ArgumentParser) -> None:
     add_rank_arguments(parser)
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="DDPBucketed's bucket size (default 25, PyTorch DDP's default)")
+    _bucket_rule(parser)
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile both models (the same way) before wrapping them")
     parser.add_argument("--backend", default=None,

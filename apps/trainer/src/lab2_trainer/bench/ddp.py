@@ -100,6 +100,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         else None
     for preset in args.presets:
         spec = rank_spec(args, preset, names, torch_bucket_mb=args.torch_bucket_mb,
+                         bucket_rule=args.bucket_rule,
                          trace_dir=trace_dir, trace=args.trace)
         per_rank = launch(ddp_rank, args, spec)
         add_rows(out, args, preset, names, per_rank)
@@ -141,8 +142,8 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
                 "precision": args.precision, "batch_size": args.batch_size,
                 "context_length": args.context_length, "steps": args.steps,
                 "rounds": args.rounds, "warmup": args.warmup,
-                "timing": timing_label(args),
-                "backward_thread": args.backward_thread}
+                "timing": timing_label(args), "backward_thread": args.backward_thread,
+                "bucket_rule": getattr(args, "bucket_rule", "reach")}
         metrics = {
             **s,
             "ratio_to_torch": s["step_ms"] / torch_ms if torch_ms else None,
@@ -177,7 +178,8 @@ def build_variant(name: str, base: nn.Module, device: torch.device, spec: RankSp
     bucket_mb = float(mb) if mb else spec.extra["torch_bucket_mb"]
     reduce_dtype = torch.bfloat16 if kind.endswith("_bf16") else None
     return make_variant(fresh_copy(base, device), DDP_KIND[kind], "none", device,
-                        bucket_mb=bucket_mb, reduce_dtype=reduce_dtype)
+                        bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
+                        bucket_rule=spec.extra.get("bucket_rule", "reach"))
 
 
 def ddp_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class Variant:
 
 def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device, *,
                  forward: nn.Module | None = None, bucket_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None) -> Variant:
+                 reduce_dtype: torch.dtype | None = None, bucket_rule: str = "reach") -> Variant:
     """``model`` set up for training as the trainer sets it up: ``GradSync`` of kind ``ddp``
     around ``forward`` (default the model; its compiled form with ``--compile``), then the
     trainer's AdamW sharded as ``sharding`` says.
@@ -96,9 +96,10 @@ def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device
     Args:
         bucket_mb: bucket size of "bucketed" and "torch" (default 25, PyTorch DDP's).
         reduce_dtype: the dtype gradients travel in (``GradSync``'s).
+        bucket_rule: how ``bucket_mb`` cuts "bucketed"'s buckets (``GradSync``'s).
     """
     sync = GradSync(model, model if forward is None else forward, ddp, bucket_mb, device,
-                    reduce_dtype=reduce_dtype)
+                    reduce_dtype=reduce_dtype, bucket_rule=bucket_rule)
     return Variant(model, sync, make_optimizer(model, sharding))
 
 

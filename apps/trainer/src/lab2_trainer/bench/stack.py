@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     peak = device_peak(args.device)
     for preset in args.presets:
         spec = rank_spec(args, preset, list(KINDS), bucket_mb=args.bucket_mb,
-                         compile=compile_spec)
+                         bucket_rule=args.bucket_rule, compile=compile_spec)
         per_rank = launch(stack_rank, args, spec)
         summary = {n: summarize(per_rank, n) for n in KINDS}
         tokens = args.world_size * args.batch_size * args.context_length
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
                     "context_length": args.context_length, "steps": args.steps,
                     "rounds": args.rounds, "bucket_mb": args.bucket_mb,
                     "compiled": compile_label(compile_spec), "timing": timing_label(args),
-                "backward_thread": args.backward_thread}
+                    "backward_thread": args.backward_thread, "bucket_rule": args.bucket_rule}
             util = mfu(tps, per_rank[0]["flops_per_token"], peak, devices=args.world_size)
             out.add(conf, {**s, "tokens_per_s": tps, "mfu": util, "ratio_to_pytorch": tps / ref})
     out.table(COLUMNS, title=f"stack: {args.world_size} ranks, {args.device}, batch "
@@ -112,7 +112,8 @@ def build_variant(name: str, bases: dict[str, nn.Module], device: torch.device,
         forward = torch.compile(model, backend=compile_spec["backend"], mode=compile_spec["mode"])
     ddp, sharding = STACKS[name]
     return make_variant(model, ddp, sharding, device, forward=forward,
-                        bucket_mb=spec.extra["bucket_mb"])
+                        bucket_mb=spec.extra["bucket_mb"],
+                        bucket_rule=spec.extra.get("bucket_rule", "reach"))
 
 
 def stack_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:

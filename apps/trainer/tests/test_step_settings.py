@@ -1,4 +1,4 @@
-"""The ``backward_thread`` setting: which thread runs backward, and only there."""
+"""Step settings: which thread runs backward, and how the bucket size cuts buckets."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def test_flag_takes_the_two_choices():
     assert parser.parse_args(["--backward-thread", "autograd"]).backward_thread == "autograd"
     with pytest.raises(SystemExit):
         parser.parse_args(["--backward-thread", "main"])
+
+
+def test_bucket_rules_are_minddps():
+    # settings.py names the rules without importing minddp (and torch) for --help.
+    import minddp
+    from lab2_trainer.settings import BUCKET_RULES, TrainSettings
+
+    assert BUCKET_RULES == minddp.BUCKET_RULES
+    assert TrainSettings().bucket_rule == "reach"
