@@ -204,6 +204,50 @@ def guards_rank(rank: int, world_size: int) -> dict:
 
 
 
+
+def gradient_order_rank(rank: int, world_size: int) -> dict:
+    """A wrapper given another's learned order: same buckets from its first step, the
+    same gradients bit for bit; bad orders and a mid-step call refused."""
+    torch.set_num_threads(1)
+    batches = kit.make_batches("transformer", GUARD_SEED, 3, 4 * world_size)
+    out: dict = {}
+    for name, make in (
+        ("bucketed", lambda m: DDPBucketed(m, kit.few_buckets_mb(m) / 2, bucket_rule="reach")),
+        ("individual", DDPIndividualParameters),
+    ):
+        models = [kit.build_model("transformer", GUARD_SEED) for _ in range(3)]
+        learner, told, _ = (make(m) for m in models)
+        before = learner.gradient_order
+        x, y = batches[0]
+        kit.summed_loss("transformer", learner(x[rank::world_size]), y[rank::world_size]).backward()
+        learner.finish_gradient_synchronization()
+        order = learner.gradient_order
+        told.set_gradient_order(order)
+        same = [getattr(learner, "bucket_parameter_names", None)
+                == getattr(told, "bucket_parameter_names", None), told.gradient_order == order]
+        for x, y in batches[1:]:
+            grads = []
+            for ddp, model in ((learner, models[0]), (told, models[1])):
+                model.zero_grad(set_to_none=True)
+                kit.summed_loss("transformer", ddp(x[rank::world_size]),
+                                y[rank::world_size]).backward()
+                ddp.finish_gradient_synchronization()
+                grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            same.append(all(torch.equal(a, b) for a, b in zip(*grads)))
+        errors = []
+        try:
+            told.set_gradient_order([0] * len(order))
+        except ValueError as error:
+            errors.append(str(error))
+        kit.summed_loss("transformer", told(x[rank::world_size]), y[rank::world_size]).backward()
+        try:
+            told.set_gradient_order(order)
+        except RuntimeError as error:
+            errors.append(str(error))
+        told.finish_gradient_synchronization()
+        out[name] = {"before": before, "order": order, "same": same, "errors": errors}
+    return out
+
 # ---- where gradients live during backward ----
 def gradient_home_rank(rank: int, world_size: int) -> dict:
     """Which ``.grad`` tensors are bucket views at three points of a step.

@@ -143,6 +143,7 @@ def _compiled_rank(rank, world_size, data, out):
         results[compiled] = {
             "params": params_of(trainer),
             "launched_in_backward": stats.launched_in_backward,
+            "launched_in_finish": stats.launched_in_finish,
             "compiled_module": type(trainer.eval_module).__name__,
             "frames": sum(torch._dynamo.utils.counters["frames"].values()),
         }
@@ -159,9 +160,11 @@ def test_compiled_stack_matches_uncompiled_and_one_process(world_size, corpus_di
         eager, compiled = res[False], res[True]
         assert compiled["compiled_module"] == "OptimizedModule"
         assert compiled["frames"] > 0  # dynamo did trace the model
-        # Buckets were launched by the gradient hooks during the compiled backward.
-        assert compiled["launched_in_backward"] > 0
-        assert compiled["launched_in_backward"] == eager["launched_in_backward"]
+        # Every bucket was launched by the gradient hooks during the backward, compiled or
+        # not (their number may differ: each learns its own gradient order, which cuts the
+        # buckets).
+        for run in (eager, compiled):
+            assert run["launched_in_backward"] > 0 and run["launched_in_finish"] == 0
         assert relative_error(eager["params"], compiled["params"]) < 1e-5
         assert relative_error(expected, compiled["params"]) < 1e-5
     for other in per_rank[1:]:  # every rank ends with the same parameters

@@ -42,6 +42,20 @@ def test_construction_checks_views_and_misuse_errors(world_size):
             assert "after its" in messages[1]
 
 
+def test_a_given_gradient_order_launches_as_the_learned_one(world_size):
+    # What makes a resumed run bitwise the same: the order learned in the first step,
+    # saved and set on a fresh wrapper, gives the same buckets and the same gradients.
+    for rank, got in enumerate(run_ranks(programs.gradient_order_rank, world_size,
+                                         timeout=120)):
+        for wrapper, res in got.items():
+            assert res["before"] is None
+            assert sorted(res["order"]) == list(range(len(res["order"])))
+            assert res["same"] == [True] * 4, (rank, wrapper, res["same"])
+            assert len(res["errors"]) == 2, (rank, wrapper, res["errors"])
+            assert "permutation" in res["errors"][0]
+            assert "finish_gradient_synchronization" in res["errors"][1]
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
 def test_bucket_size_must_be_positive(bad):
     with pytest.raises(ValueError, match="bucket_size_mb"):

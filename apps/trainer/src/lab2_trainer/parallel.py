@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+#: The GradSync kinds whose minddp wrapper hooks gradients and learns a launch order.
+MINDDP_HOOKED = ("bucketed", "individual")
+
 
 class GradSync:
     """Forward through the chosen wrapper; average gradients after the last micro-batch.
@@ -83,9 +86,21 @@ class GradSync:
         else:
             yield  # the baselines reduce only when finish() is called
 
+    @property
+    def gradient_order(self) -> list[int] | None:
+        """minddp's learned launch order (bucketed, individual), for checkpoints; else None."""
+        return getattr(self.wrapper, "gradient_order", None) if self.kind in MINDDP_HOOKED \
+            else None
+
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        """Launch along a checkpoint's ``gradient_order`` (ignored by the other kinds), so
+        that a resumed run cuts and sums its buckets as the interrupted one did."""
+        if order is not None and self.kind in MINDDP_HOOKED:
+            self.wrapper.set_gradient_order(order)
+
     def finish(self) -> None:
         """Leave averaged gradients on every rank (after the last backward of a step)."""
-        if self.kind in ("bucketed", "individual"):
+        if self.kind in MINDDP_HOOKED:
             self.wrapper.finish_gradient_synchronization()
         elif self.kind in ("flat", "naive") and dist.get_world_size() > 1:
             from minddp import all_reduce_gradients

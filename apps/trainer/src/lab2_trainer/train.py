@@ -172,6 +172,10 @@ class Trainer:
         set_rng_state(ckpt["rng"], self.ctx.device)
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
+        try:
+            self.sync.set_gradient_order(ckpt.get("gradient_order"))
+        except ValueError as exc:
+            raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
         self.step = int(ckpt["step"])
 
     def save_checkpoint(self, path: Path) -> None:
@@ -192,6 +196,9 @@ class Trainer:
                 "rng": rng_state(self.ctx.device),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "world_size": self.ctx.world_size,
+                # minddp's learned launch order: a resumed run at this world size then
+                # sums every gradient in the same order, bit for bit (None: not learned).
+                "gradient_order": self.sync.gradient_order,
             }, path)
         self.ctx.barrier()
 

@@ -59,6 +59,7 @@ class DataParallelWrapper(nn.Module):
         self.last_sync_stats = SyncStats()
         self._order_learned = False
         self._observed: list[int] = []  # first-gradient arrival order, until learned
+        self._gradient_order: list[int] | None = None  # the agreed order, once learned
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
         # One post-accumulate-grad hook per parameter: of the ways to learn that a
@@ -161,11 +162,9 @@ class DataParallelWrapper(nn.Module):
         """
         launched_in_backward = self._step.launched_in_backward
         if not self._order_learned:  # once, after the first synchronized step
-            self._learn_order(
+            self._adopt_order(
                 agree_on_order(self._observed, len(self._params), self.process_group)
             )
-            self._order_learned = True
-            self._observed = []
         self._reset_step_state()
         self.last_sync_stats = SyncStats(
             finish_seconds=time.perf_counter() - start,
@@ -173,6 +172,43 @@ class DataParallelWrapper(nn.Module):
             launched_in_backward=launched_in_backward,
             launched_in_finish=launched - launched_in_backward,
         )
+
+    def _adopt_order(self, order: list[int]) -> None:
+        self._learn_order(order)
+        self._gradient_order = list(order)
+        self._order_learned = True
+        self._observed = []
+
+    @property
+    def gradient_order(self) -> list[int] | None:
+        """The gradient arrival order the wrapper launches along (indices of the trainable
+        parameters in registration order), learned after the first synchronized step or
+        set by :meth:`set_gradient_order`; None before either. Save it with a checkpoint:
+        a resumed run that sets it launches exactly as the interrupted one did."""
+        return None if self._gradient_order is None else list(self._gradient_order)
+
+    def set_gradient_order(self, order: list[int]) -> None:
+        """Launch along ``order`` from the next step on, instead of learning it.
+
+        ``order`` is a :attr:`gradient_order` of the same model (a permutation of the
+        trainable parameters' indices). Call it on every rank with the same order,
+        between steps. This is what makes a resumed run bitwise the same as one that was
+        never interrupted: the learned order fixes the buckets, and the buckets fix the
+        order in which a collective sums each element.
+
+        Raises:
+            ValueError: ``order`` is not a permutation of ``range(len(parameters))``.
+            RuntimeError: called between a synchronized backward and its finish call.
+        """
+        count = len(self._params)
+        order = [int(i) for i in order]
+        if sorted(order) != list(range(count)):
+            raise ValueError(f"order must be a permutation of range({count}) (the trainable "
+                             f"parameters' indices), got {order}")
+        if self._step.backward_seen:
+            raise self._unfinished_error()
+        self._adopt_order(order)
+        self._reset_step_state()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward with every argument unchanged."""
