@@ -179,8 +179,8 @@ def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype):
     plan = _FWD_PLANS.get(_fwd_key(x, residual, weight, need_rstd, eps, out_dtype))
     if plan is None:
         return None
-    # empty_like reads shape, dtype and device from a tensor: cheaper than new_empty's
-    # parsing of a shape (about 3.5 against 6 µs on the H200's host).
+    # empty_like reads shape, dtype and device from a tensor: about half the host time of
+    # new_empty, which parses a shape.
     y = torch.empty_like(x, dtype=out_dtype)
     s = None if residual is None else torch.empty_like(x)
     rstd = torch.empty_like(plan[4]) if need_rstd else None
@@ -254,7 +254,8 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
         if not traceable and config is None and _all_contiguous(x, residual, weight):
             key = _fwd_key(x, residual, weight, need_rstd, eps, out_dtype)
             # rstd (float32, (rows,)) as the template the fast path allocates rstd like;
-            # only its shape, dtype and device are read.
+            # only its shape, dtype and device are read (it keeps 4 bytes a row alive per
+            # recorded shape; None when no rstd is written).
             _FWD_PLANS.record(key, compiled, grid, args, n_ptrs, consts, rstd)
     s = None if s2 is None else _like(s2, x)
     return _like(y2, x), s, (rstd if need_rstd else None)
