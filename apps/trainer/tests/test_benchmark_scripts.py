@@ -1,0 +1,28 @@
+"""The benchmark scripts still run against the trainer's code (plumbing only, no timing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_paired_runs_every_kind_of_variant_on_the_cpu():
+    variants = ["torch:none", "tritonnorm:bucketed:at_most@autograd", "torch:torch"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "paired.py"), "--device", "cpu", "--preset", "micro",
+         "--batch-size", "2", "--context-length", "16", "--vocab-size", "64", "--rounds", "2",
+         "--window", "1", "--variants", *variants],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == variants
+
+
+def test_paired_refuses_a_bad_variant():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "paired.py"), "--device", "cpu", "--variants",
+         "tritonnorm:ring"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "'ring'" in done.stderr
