@@ -37,6 +37,7 @@ from lab2_trainer.mfu import (
     mfu,
     training_flops_per_token,
 )
+from lab2_trainer.settings import BACKWARD_THREADS
 
 STACKS = {  # norm, ddp kind, sharding
     "ours": ("tritonnorm", "bucketed", "zero1"),
@@ -73,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="device time by kernel family")
-    p.add_argument("--backward-thread", choices=("caller", "autograd"), default="caller",
+    p.add_argument("--backward-thread", choices=BACKWARD_THREADS, default="caller",
                    help="the thread that runs backward (default caller, as the trainer does)")
     return p.parse_args()
 

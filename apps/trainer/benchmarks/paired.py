@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from lab2_trainer.bench.distributed import fresh_copy, make_variant, step_marks
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
+from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def parse_variant(text: str) -> Setup:
     rule = parts[2] if len(parts) == 3 else "reach"
     thread = thread or "caller"
     checks = ((norm, ("tritonnorm", "torch")), (ddp, ("none", "bucketed", "torch")),
-              (rule, ("reach", "at_most")), (thread, ("caller", "autograd")))
+              (rule, BUCKET_RULES), (thread, BACKWARD_THREADS))
     for value, allowed in checks:
         if value not in allowed:
             raise SystemExit(f"paired.py: {value!r} in {text!r} is not one of "

@@ -67,7 +67,7 @@ def test_ddp_rows_exposed_shares():
               "overlap": {"torch": {"nccl_ms": 20.0, "hidden_ms": 17.0, "hidden_share": 0.85}}}]
     args = argparse.Namespace(world_size=2, device="cpu", precision="fp32", batch_size=1,
                               context_length=8, steps=1, rounds=1, warmup=0,
-                              backward_thread="caller")
+                              backward_thread="caller", bucket_rule="reach")
     out = SuiteOutput("ddp", None)
     add_rows(out, args, "tiny", ["local", "torch"], ranks)
     local, torch_row = out.rows

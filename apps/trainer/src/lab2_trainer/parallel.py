@@ -89,8 +89,7 @@ class GradSync:
     @property
     def gradient_order(self) -> list[int] | None:
         """minddp's learned launch order (bucketed, individual), for checkpoints; else None."""
-        return getattr(self.wrapper, "gradient_order", None) if self.kind in MINDDP_HOOKED \
-            else None
+        return self.wrapper.gradient_order if self.kind in MINDDP_HOOKED else None
 
     def set_gradient_order(self, order: list[int] | None) -> None:
         """Launch along a checkpoint's ``gradient_order`` (ignored by the other kinds), so

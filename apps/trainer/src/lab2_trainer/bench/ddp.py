@@ -143,7 +143,7 @@ def add_rows(out: SuiteOutput, args: argparse.Namespace, preset: str, names: lis
                 "context_length": args.context_length, "steps": args.steps,
                 "rounds": args.rounds, "warmup": args.warmup,
                 "timing": timing_label(args), "backward_thread": args.backward_thread,
-                "bucket_rule": getattr(args, "bucket_rule", "reach")}
+                "bucket_rule": args.bucket_rule}
         metrics = {
             **s,
             "ratio_to_torch": s["step_ms"] / torch_ms if torch_ms else None,
@@ -179,7 +179,7 @@ def build_variant(name: str, base: nn.Module, device: torch.device, spec: RankSp
     reduce_dtype = torch.bfloat16 if kind.endswith("_bf16") else None
     return make_variant(fresh_copy(base, device), DDP_KIND[kind], "none", device,
                         bucket_mb=bucket_mb, reduce_dtype=reduce_dtype,
-                        bucket_rule=spec.extra.get("bucket_rule", "reach"))
+                        bucket_rule=spec.extra["bucket_rule"])
 
 
 def ddp_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 from lab2_trainer.bench.arguments import MODES, NORMS
+from lab2_trainer.bench.distributed import thread_label
 from lab2_trainer.bench.e2e import row_config, time_preset
 from lab2_trainer.bench.steps import stats_metrics
 from lab2bench.suites import SuiteOutput
@@ -68,8 +69,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
         r["speedup_vs_reference"] = ref / r["mean_ms"] if ref and r["mean_ms"] > 0 else None
     out.table(COLUMNS, title=f"norm swap: batch {args.batch_size} x context "
                              f"{args.context_length}, {args.device}, {args.rounds} interleaved "
-                             f"round(s) x {args.steps} timed steps, backward on the "
-                             f"{args.backward_thread} thread")
+                             f"round(s) x {args.steps} timed steps, {thread_label(args)}")
     if args.profile:
         from lab2_trainer.bench.norm_profile import run_profiles
 

@@ -113,7 +113,7 @@ def build_variant(name: str, bases: dict[str, nn.Module], device: torch.device,
     ddp, sharding = STACKS[name]
     return make_variant(model, ddp, sharding, device, forward=forward,
                         bucket_mb=spec.extra["bucket_mb"],
-                        bucket_rule=spec.extra.get("bucket_rule", "reach"))
+                        bucket_rule=spec.extra["bucket_rule"])
 
 
 def stack_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
