@@ -7,15 +7,21 @@ back-to-back steps of every variant (order rotated each round), and each variant
 compared with the first one *within the same round*: the medians of those paired ratios
 and differences cancel the drift that the window means do not.
 
-A variant is ``NORM:DDP[:RULE][@THREAD]``:
-    NORM    the model's norm layer: tritonnorm or torch (``nn.RMSNorm``);
-    DDP     the trainer's GradSync kind: none, bucketed, torch (one rank; bucketed and
-            torch launch no collective on a group of one, but do all their bookkeeping);
-    RULE    bucketed's bucket rule: reach (default) or at_most;
-    THREAD  the thread that runs backward: caller (default) or autograd.
+A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``:
+    NORM      the model's norm layer: tritonnorm or torch (``nn.RMSNorm``);
+    DDP       the trainer's GradSync kind: none, bucketed, torch (one rank; bucketed and
+              torch launch no collective on a group of one, but do all their bookkeeping);
+    RULE      bucketed's bucket rule: reach (default) or at_most;
+    SHARDING  the optimizer's state sharding: none (default), zero1 (ShardedOptimizer) or
+              torch (ZeroRedundancyOptimizer);
+    THREAD    the thread that runs backward: caller (default) or autograd.
 
 Each step is the trainer's (``bench.distributed.step_marks``): forward under bf16
-autocast, backward, gradient synchronisation, fused AdamW.
+autocast, backward, gradient synchronisation, fused AdamW (sharded as asked). The whole
+stacks of ``bench stack``, ours against PyTorch's::
+
+    python apps/trainer/benchmarks/paired.py --preset small \
+        --variants torch:torch+torch tritonnorm:bucketed+zero1
 
     python apps/trainer/benchmarks/paired.py --preset medium \\
         --variants torch:none@autograd torch:none tritonnorm:none tritonnorm:bucketed
@@ -35,7 +41,7 @@ import torch.distributed as dist
 
 from lab2_trainer.bench.distributed import fresh_copy, make_variant, step_marks
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
-from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES
+from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES, SHARDING_KINDS
 
 
 @dataclass(frozen=True)
@@ -46,24 +52,28 @@ class Setup:
     norm: str
     ddp: str
     rule: str
+    sharding: str
     thread: str
 
 
 def parse_variant(text: str) -> Setup:
     body, _, thread = text.partition("@")
+    body, _, sharding = body.partition("+")
     parts = body.split(":")
     if len(parts) not in (2, 3):
-        raise SystemExit(f"paired.py: variant {text!r} is not NORM:DDP[:RULE][@THREAD]")
+        raise SystemExit(f"paired.py: variant {text!r} is not "
+                         "NORM:DDP[:RULE][+SHARDING][@THREAD]")
     norm, ddp = parts[0], parts[1]
     rule = parts[2] if len(parts) == 3 else "reach"
     thread = thread or "caller"
+    sharding = sharding or "none"
     checks = ((norm, ("tritonnorm", "torch")), (ddp, ("none", "bucketed", "torch")),
-              (rule, BUCKET_RULES), (thread, BACKWARD_THREADS))
+              (rule, BUCKET_RULES), (sharding, SHARDING_KINDS), (thread, BACKWARD_THREADS))
     for value, allowed in checks:
         if value not in allowed:
             raise SystemExit(f"paired.py: {value!r} in {text!r} is not one of "
                              f"{', '.join(allowed)}")
-    return Setup(text, norm, ddp, rule, thread)
+    return Setup(text, norm, ddp, rule, sharding, thread)
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--vocab-size", type=int, default=10000)
     p.add_argument("--variants", nargs="+", required=True,
-                   help="NORM:DDP[:RULE][@THREAD] ...; the first is the baseline")
+                   help="NORM:DDP[:RULE][+SHARDING][@THREAD] ...; the first is the baseline")
     p.add_argument("--rounds", type=int, default=14)
     p.add_argument("--window", type=int, default=5, help="timed steps per window")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -104,7 +114,7 @@ def main() -> None:
                                   vocab_size=args.vocab_size, norm=s.norm)
             bases[s.norm] = (build_model(config, "cpu", seed=0),
                              random_batch(config, args.batch_size, device, seed=0))
-        variants[s.name] = make_variant(fresh_copy(bases[s.norm][0], device), s.ddp, "none",
+        variants[s.name] = make_variant(fresh_copy(bases[s.norm][0], device), s.ddp, s.sharding,
                                         device, bucket_rule=s.rule)
 
     def window(s: Setup, steps: int) -> float:

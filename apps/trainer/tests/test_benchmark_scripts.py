@@ -10,7 +10,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_paired_runs_every_kind_of_variant_on_the_cpu():
-    variants = ["torch:none", "tritonnorm:bucketed:at_most@autograd", "torch:torch"]
+    variants = ["torch:none", "tritonnorm:bucketed:at_most@autograd", "torch:torch+torch",
+                "tritonnorm:bucketed+zero1"]
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "paired.py"), "--device", "cpu", "--preset", "micro",
          "--batch-size", "2", "--context-length", "16", "--vocab-size", "64", "--rounds", "2",
