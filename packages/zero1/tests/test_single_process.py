@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zero1 import ShardedOptimizer, optimizer_state_bytes, optimizer_state_numel
+from zero1.sharded_optimizer import FOREACH_MAX_MEAN_NUMEL
 
 pytestmark = pytest.mark.skipif(
     dist.is_available() and dist.is_initialized(),
@@ -249,8 +250,28 @@ def test_add_param_group_mid_training_matches_plain() -> None:
         assert _rel_err(p, q) < 1e-12
 
 
+def test_large_tensors_keep_pytorchs_default() -> None:
+    # Foreach loses to the per-tensor loop on the CPU once tensors outgrow the cache: a
+    # group of large tensors gets no choice of ours; a group of small ones next to it does.
+    torch.manual_seed(0)
+    big = [torch.nn.Parameter(torch.randn(FOREACH_MAX_MEAN_NUMEL + 1)) for _ in range(2)]
+    small = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+    mixed = [torch.nn.Parameter(torch.randn(2 * FOREACH_MAX_MEAN_NUMEL)),
+             torch.nn.Parameter(torch.randn(4))]  # averages just above the limit
+    opt = ShardedOptimizer([{"params": big}, {"params": small}, {"params": mixed}],
+                           torch.optim.AdamW, lr=1e-2)
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, None]
+    for p in big + small + mixed:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the push before the step keeps the per-group choices
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, None]
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3 * FOREACH_MAX_MEAN_NUMEL))]})
+    assert opt.local_optimizer.param_groups[3]["foreach"] is None
+
+
 def test_local_optimizer_uses_foreach_unless_the_user_chose() -> None:
-    # Our default: foreach kernels for the shard, invisible in our groups and state dicts.
+    # Our default: foreach kernels for the shard's small tensors, invisible in our groups
+    # and state dicts.
     model, ref = _model(), _model()
     opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2)
     plain = torch.optim.AdamW(_groups(ref), lr=1e-2)
