@@ -13,7 +13,11 @@ import torch
 import torch.distributed as dist
 
 from zero1 import ShardedOptimizer, optimizer_state_bytes, optimizer_state_numel
-from zero1.sharded_optimizer import FOREACH_MAX_MEAN_NUMEL
+from zero1.sharded_optimizer import (
+    FOREACH_MAX_MEAN_NUMEL,
+    FOREACH_MAX_TOTAL_NUMEL,
+    foreach_pays,
+)
 
 pytestmark = pytest.mark.skipif(
     dist.is_available() and dist.is_initialized(),
@@ -250,23 +254,24 @@ def test_add_param_group_mid_training_matches_plain() -> None:
         assert _rel_err(p, q) < 1e-12
 
 
-def test_large_tensors_keep_pytorchs_default() -> None:
-    # Foreach loses to the per-tensor loop on the CPU once tensors outgrow the cache: a
-    # group of large tensors gets no choice of ours; a group of small ones next to it does.
+def test_foreach_only_where_it_pays() -> None:
+    # Foreach loses to the per-tensor loop on the CPU once the tensors outgrow the cache:
+    # large tensors keep PyTorch's default; small ones, or few elements in all, get foreach.
     torch.manual_seed(0)
-    big = [torch.nn.Parameter(torch.randn(FOREACH_MAX_MEAN_NUMEL + 1)) for _ in range(2)]
+    big = [torch.nn.Parameter(torch.randn(FOREACH_MAX_TOTAL_NUMEL // 2 + 1)) for _ in range(2)]
     small = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
-    mixed = [torch.nn.Parameter(torch.randn(2 * FOREACH_MAX_MEAN_NUMEL)),
-             torch.nn.Parameter(torch.randn(4))]  # averages just above the limit
-    opt = ShardedOptimizer([{"params": big}, {"params": small}, {"params": mixed}],
+    few = [torch.nn.Parameter(torch.randn(4 * FOREACH_MAX_MEAN_NUMEL)) for _ in range(2)]
+    opt = ShardedOptimizer([{"params": big}, {"params": small}, {"params": few}],
                            torch.optim.AdamW, lr=1e-2)
-    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, None]
-    for p in big + small + mixed:
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, True]
+    for p in big + small + few:
         p.grad = torch.randn_like(p)
     opt.step()  # the push before the step keeps the per-group choices
-    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, None]
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3 * FOREACH_MAX_MEAN_NUMEL))]})
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, True]
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(FOREACH_MAX_TOTAL_NUMEL + 1))]})
     assert opt.local_optimizer.param_groups[3]["foreach"] is None
+    assert foreach_pays([]) and foreach_pays(small) and foreach_pays(few)
+    assert not foreach_pays(big)
 
 
 def test_local_optimizer_uses_foreach_unless_the_user_chose() -> None:

@@ -44,9 +44,9 @@ def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> 
     ``foreach=True`` when the class takes it and the user chose no implementation
     (``foreach``, ``fused``) and no ``differentiable`` step: PyTorch's own default picks
     foreach kernels on CUDA only, which leaves a Python loop over parameters on the CPU.
-    The result is the same arithmetic; only the loop goes. Only groups of small tensors
-    get it, and not a group that names one of these options itself (see
-    :func:`_choices_for`).
+    The result is the same arithmetic; only the loop goes. Only groups where it pays get
+    it (:func:`foreach_pays`), and not a group that names one of these options itself
+    (see :func:`_choices_for`).
 
     Returns:
         ``{option: value}`` for the local optimizer (empty when nothing is chosen).
@@ -62,28 +62,34 @@ def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> 
     return {"foreach": True}
 
 
-# Foreach kernels only pay on the CPU where tensors are small. A foreach step runs each of
-# the optimizer's operations over every tensor before the next (one pass over all of
-# them per operation), where the per-tensor loop runs every operation on one tensor while
-# it is in cache; the loop pays Python per tensor instead. AdamW on a shared 2-core CPU,
-# one thread, 8M float32 elements in all, foreach time ÷ loop time by elements per tensor:
-# 1,024: 0.67; 2,048: 0.83; 4,096: 0.81; 8,192: 1.05; 16,384: 1.24; 65,536: 1.32. Half of
-# the trainer's `small` model (44 tensors, 57M elements) steps 1.18x slower with foreach.
+# Foreach kernels only pay on the CPU where tensors are small, or all of them fit in cache.
+# A foreach step runs each of the optimizer's operations over every tensor before the next
+# (one pass over all of them per operation), where the per-tensor loop runs every operation
+# on one tensor while it is in cache; the loop pays Python per tensor instead. AdamW on a
+# shared 2-core CPU (1 MiB L2 per core, 32 MiB L3), one thread, float32, foreach time ÷
+# loop time. By elements per tensor, 8M elements in all: 1,024: 0.67; 2,048: 0.83; 4,096:
+# 0.81; 8,192: 1.05; 16,384: 1.24; 65,536: 1.32. By elements in all, 16,384 per tensor:
+# 0.5M: 0.84; 1M: 1.30; 2M: 1.12; 4M: 1.37. Half of the trainer's `small` model (44
+# tensors, 57M elements) steps 1.18x slower with foreach; half of `tiny` (13 tensors,
+# 0.39M elements) 0.91x.
 FOREACH_MAX_MEAN_NUMEL = 4096
+FOREACH_MAX_TOTAL_NUMEL = 1 << 19
 
 
-def small_tensors(params: list[torch.Tensor]) -> bool:
-    """Whether ``params`` average at most ``FOREACH_MAX_MEAN_NUMEL`` elements (True when
-    empty: a rank owning none of a group takes no decision that matters)."""
-    return sum(p.numel() for p in params) <= FOREACH_MAX_MEAN_NUMEL * max(1, len(params))
+def foreach_pays(params: list[torch.Tensor]) -> bool:
+    """Whether a local group of ``params`` steps faster with foreach kernels than with the
+    per-tensor loop: they average at most ``FOREACH_MAX_MEAN_NUMEL`` elements, or hold at
+    most ``FOREACH_MAX_TOTAL_NUMEL`` in all (so an empty group does too)."""
+    total = sum(p.numel() for p in params)
+    return total <= FOREACH_MAX_TOTAL_NUMEL or total <= FOREACH_MAX_MEAN_NUMEL * len(params)
 
 
 def _choices_for(group: dict[str, Any], choices: dict[str, Any],
-                 small: bool) -> dict[str, Any]:
-    """``choices`` for one group whose local tensors are ``small`` (``small_tensors``),
-    unless the group picks an implementation itself (a ``foreach`` that is not None,
-    ``fused`` or ``differentiable``); else nothing, and PyTorch's default applies."""
-    if not small:
+                 pays: bool) -> dict[str, Any]:
+    """``choices`` for one group where foreach ``pays`` (``foreach_pays`` of its local
+    tensors), unless the group picks an implementation itself (a ``foreach`` that is not
+    None, ``fused`` or ``differentiable``); else nothing, and PyTorch's default applies."""
+    if not pays:
         return {}
     if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
         return {}
@@ -148,12 +154,13 @@ class ShardedOptimizer(Optimizer):
         # state dicts, which keep what a plain optimizer with the user's arguments shows.
         self._local_choices = _local_choices(optimizer_cls, defaults)
         self._public_values = {k: defaults.get(k) for k in self._local_choices}
-        self._small: list[bool] = []  # per group, small_tensors of its local params
+        self._foreach_pays: list[bool] = []  # per group, foreach_pays of its local params
         for group, owners in zip(groups, self._owners):
             mine = self._mine(group, owners)
-            self._small.append(small_tensors(mine))
+            self._foreach_pays.append(foreach_pays(mine))
             local_groups.append({**hyperparameters(group),
-                                 **_choices_for(group, self._local_choices, self._small[-1]),
+                                 **_choices_for(group, self._local_choices,
+                                                self._foreach_pays[-1]),
                                  "params": mine})
         # An optimizer accepts empty groups, so a rank owning nothing still keeps one
         # local group per global group and the two lists stay aligned.
@@ -244,15 +251,15 @@ class ShardedOptimizer(Optimizer):
         loads_before = self._loads
         owners = self._partition(group["params"])
         mine = self._mine(group, owners)
-        small = small_tensors(mine)
+        pays = foreach_pays(mine)
         try:
             self._local.add_param_group({**hyperparameters(group),
-                                         **_choices_for(group, self._local_choices, small),
+                                         **_choices_for(group, self._local_choices, pays),
                                          "params": mine})
         except BaseException:
             self._loads = loads_before
             raise
-        self._small.append(small)
+        self._foreach_pays.append(pays)
         local = self._local.param_groups[-1]
         super().add_param_group({**self._public(local, group), "params": group["params"]})
         self._owners.append(owners)
@@ -276,9 +283,9 @@ class ShardedOptimizer(Optimizer):
         False``).
         """
         public = self._public_values
-        for group, local, small in zip(self.param_groups, self._local.param_groups,
-                                       self._small):
-            chosen = _choices_for(group, self._local_choices, small)
+        for group, local, pays in zip(self.param_groups, self._local.param_groups,
+                                      self._foreach_pays):
+            chosen = _choices_for(group, self._local_choices, pays)
             for key, value in group.items():
                 if key in PARAM_KEYS:
                     continue
