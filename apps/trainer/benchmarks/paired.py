@@ -20,7 +20,7 @@ Each step is the trainer's (``bench.distributed.step_marks``): forward under bf1
 autocast, backward, gradient synchronisation, fused AdamW (sharded as asked). The whole
 stacks of ``bench stack``, ours against PyTorch's::
 
-    python apps/trainer/benchmarks/paired.py --preset small \
+    python apps/trainer/benchmarks/paired.py --preset small \\
         --variants torch:torch+torch tritonnorm:bucketed+zero1
 
     python apps/trainer/benchmarks/paired.py --preset medium \\
