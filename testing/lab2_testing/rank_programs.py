@@ -203,8 +203,6 @@ def guards_rank(rank: int, world_size: int) -> dict:
     return out
 
 
-
-
 def gradient_order_rank(rank: int, world_size: int) -> dict:
     """A wrapper given another's learned order: same buckets from its first step, the
     same gradients bit for bit; bad orders and a mid-step call refused."""
@@ -247,6 +245,7 @@ def gradient_order_rank(rank: int, world_size: int) -> dict:
         told.finish_gradient_synchronization()
         out[name] = {"before": before, "order": order, "same": same, "errors": errors}
     return out
+
 
 # ---- where gradients live during backward ----
 def gradient_home_rank(rank: int, world_size: int) -> dict:

@@ -68,8 +68,7 @@ def run(args: argparse.Namespace, out: SuiteOutput) -> None:
     out.table(columns, title=f"zero: {args.world_size} ranks, {args.device}, {args.precision}, "
                              f"batch {args.batch_size}/rank x context {args.context_length}; "
                              f"steps timed {timing_label(args)}, {thread_label(args)}; memory "
-                             "of rank 0 (state ratio: "
-                             "worst rank)")
+                             "of rank 0 (state ratio: worst rank)")
     out.note(
         "Memory is of each variant's first step on rank 0 (peaks from lab2bench.peak_memory: "
         "CUDA allocator, or sampled RSS on the CPU where the *_increase figures in the JSONL "
