@@ -24,6 +24,10 @@ from hypothesis import strategies as st
 from lab2_testing.dist import RankFailed, run_ranks
 from zero1 import ShardedOptimizer, optimizer_state_numel
 
+#: These ranks average gradients by hand (as a DDP wrapper would): the broadcast path.
+#: The reduce-scatter path has its own tests (test_reduce_scatter_gloo.py).
+Broadcasting = functools.partial(ShardedOptimizer, reduce_gradients=False)
+
 BATCH = 12  # divisible by every world size 1-4
 TOL = 1e-10  # norm-relative, float64
 
@@ -105,7 +109,7 @@ def parity_rank(rank: int, world_size: int) -> dict:
     out: dict = {}
     for name, cls, kwargs, use_closure, use_sched in SCENARIOS:
         model, ref = _model(), _model()
-        opt = ShardedOptimizer(_two_groups(model), cls, **kwargs)
+        opt = Broadcasting(_two_groups(model), cls, **kwargs)
         plain = cls(_two_groups(ref), **kwargs)
         scheds = []
         if use_sched:
@@ -156,7 +160,7 @@ def tiny_rank(rank: int, world_size: int) -> dict:
     # Ranks passing different parameters is caught before any sharding.
     mismatched = [torch.nn.Parameter(torch.ones(2 + (rank == world_size - 1 and rank > 0)))]
     try:
-        ShardedOptimizer(mismatched, torch.optim.SGD, lr=0.1)
+        Broadcasting(mismatched, torch.optim.SGD, lr=0.1)
         out["mismatch_error"] = None
     except ValueError as err:
         out["mismatch_error"] = str(err)
@@ -167,7 +171,7 @@ def tiny_rank(rank: int, world_size: int) -> dict:
         ref = torch.nn.Linear(6, 1).double()
         ref.load_state_dict(model.state_dict())
         groups = lambda m: [{"params": [m.weight]}, {"params": [m.bias], "lr": 0.2}]
-        opt = ShardedOptimizer(groups(model), cls, **kwargs)
+        opt = Broadcasting(groups(model), cls, **kwargs)
         plain = cls(groups(ref), **kwargs)
         assert len(opt.local_optimizer.param_groups) == 2
         for step in range(10):
@@ -195,7 +199,7 @@ def add_group_rank(rank: int, world_size: int) -> dict:
         model, ref = _model(2), _model(2)
         late = lambda m: list(m[0].parameters())
         early = lambda m: [{"params": list(m[2].parameters()) + list(m[4].parameters())}]
-        opt = ShardedOptimizer(early(model), cls, **kwargs)
+        opt = Broadcasting(early(model), cls, **kwargs)
         plain = cls(early(ref), **kwargs)
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, plain)]
         for p in late(model) + late(ref):
@@ -234,7 +238,7 @@ def _property_case(shapes: list[tuple[int, ...]], split: int) -> dict:
         params = [torch.nn.Parameter(v.clone()) for v in values]
         ref_params = [torch.nn.Parameter(v.clone()) for v in values]
         groups = lambda ps: [{"params": ps[:split]}, {"params": ps[split:], "lr": 0.05}]
-        opt = ShardedOptimizer(groups(params), cls, **kwargs)
+        opt = Broadcasting(groups(params), cls, **kwargs)
         plain = cls(groups(ref_params), **kwargs)
         for _ in range(3):
             for p, q in zip(params, ref_params):
@@ -304,7 +308,7 @@ def checkpoint_save_rank(rank: int, world_size: int, path: str) -> dict:
     to = world_size - 1
     kwargs = {"lr": 1e-2, "weight_decay": 0.05}
     model, ref = _model(3), _model(3)
-    opt = ShardedOptimizer(_two_groups(model), torch.optim.AdamW, **kwargs)
+    opt = Broadcasting(_two_groups(model), torch.optim.AdamW, **kwargs)
     plain = torch.optim.AdamW(_two_groups(ref), **kwargs)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s) for o in (opt, plain)]
     _train_steps(model, opt, ref, plain, 5, 0, rank, world_size, scheds)
@@ -347,7 +351,7 @@ def checkpoint_save_rank(rank: int, world_size: int, path: str) -> dict:
             o.step()
     out["plain_err"] = _max_rel_err(model3, ref3)
     model4 = copy.deepcopy(model3)
-    opt4 = ShardedOptimizer(_two_groups(model4), torch.optim.AdamW, **kwargs)
+    opt4 = Broadcasting(_two_groups(model4), torch.optim.AdamW, **kwargs)
     opt4.load_state_dict(copy.deepcopy(plain3.state_dict()))
     _train_steps(model4, opt4, model3, plain3, 3, 8, rank, world_size)
     out["back_err"] = _max_rel_err(model4, model3)
@@ -365,7 +369,7 @@ def _resume_and_train(ckpt: dict, kwargs: dict, rank: int, world_size: int) -> t
     model, ref = _model(0), _model(0)
     model.load_state_dict(ckpt["model"])
     ref.load_state_dict(ckpt["ref_model"])
-    opt = ShardedOptimizer(_two_groups(model), torch.optim.AdamW, **kwargs)
+    opt = Broadcasting(_two_groups(model), torch.optim.AdamW, **kwargs)
     opt.load_state_dict(copy.deepcopy(ckpt["optim"]))
     plain = torch.optim.AdamW(_two_groups(ref), **kwargs)
     plain.load_state_dict(copy.deepcopy(ckpt["ref_optim"]))

@@ -31,7 +31,7 @@ def _train(model, opt, steps: int, seed: int, rank: int = 0, world: int = 1) -> 
         x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
         opt.zero_grad()
         model(x[rank::world]).square().mean().backward()
-        if world > 1:
+        if world > 1 and not getattr(opt, "reduce_gradients", True):  # averaged by hand, as DDP would
             for p in model.parameters():
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= world
@@ -53,6 +53,10 @@ def _bad_state_dicts(model: torch.nn.Module) -> dict[str, object]:
     transposed["state"][0]["exp_avg"] = transposed["state"][0]["exp_avg"].t().contiguous()
     no_step = copy.deepcopy(good)
     del no_step["state"][1]["step"]
+    as_list = copy.deepcopy(good)
+    as_list["state"][0]["exp_avg"] = as_list["state"][0]["exp_avg"].tolist()
+    as_ints = copy.deepcopy(good)
+    as_ints["state"][0]["exp_avg"] = as_ints["state"][0]["exp_avg"].long()
     stray = copy.deepcopy(good)
     stray["state"][99] = stray["state"][0]
     return {
@@ -63,14 +67,17 @@ def _bad_state_dicts(model: torch.nn.Module) -> dict[str, object]:
         "transposed exp_avg": (transposed, ValueError, "'exp_avg' of parameter 0 in param group "
                                "0 has shape [5, 7], the parameter [7, 5]"),
         "state without step": (no_step, ValueError, "the optimizer is unchanged"),
+        "exp_avg as a list": (as_list, TypeError, "'exp_avg' of parameter 0 in param group 0 "
+                              "is a list"),
+        "exp_avg of integers": (as_ints, TypeError, "is a torch.int64 tensor"),
         "stray state": (stray, ValueError, "parameter id 99, which no param group lists"),
     }
 
 
-def _failed_loads_change_nothing(rank: int, world: int) -> dict:
+def _failed_loads_change_nothing(rank: int, world: int, **kwargs) -> dict:
     model, twin = _model(), _model()
-    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=0.05)
-    ref = ShardedOptimizer(_groups(twin), torch.optim.AdamW, lr=0.05)
+    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=0.05, **kwargs)
+    ref = ShardedOptimizer(_groups(twin), torch.optim.AdamW, lr=0.05, **kwargs)
     _train(model, opt, 2, seed=1, rank=rank, world=world)
     _train(twin, ref, 2, seed=1, rank=rank, world=world)
     errors = {}
@@ -97,17 +104,19 @@ def _failed_loads_change_nothing(rank: int, world: int) -> dict:
 
 def test_failed_loads_leave_the_optimizer_as_it_was_one_process():
     got = _failed_loads_change_nothing(0, 1)
-    assert got["same"] and len(got["errors"]) == 7
+    assert got["same"] and len(got["errors"]) == 9
 
 
-def _rank(rank: int, world_size: int) -> dict:
+def _rank(rank: int, world_size: int, kwargs: dict) -> dict:
     torch.set_num_threads(1)
-    return _failed_loads_change_nothing(rank, world_size)
+    return _failed_loads_change_nothing(rank, world_size, **kwargs)
 
 
-def test_failed_loads_leave_the_optimizer_as_it_was_on_every_rank(world_size):
-    for got in run_ranks(_rank, world_size, timeout=120, pg_timeout=60):
-        assert got["same"] and len(got["errors"]) == 7
+@pytest.mark.parametrize("kwargs", [{"stage": 1}, {"stage": 2}, {"reduce_gradients": False}],
+                         ids=["stage1", "stage2", "broadcast"])
+def test_failed_loads_leave_the_optimizer_as_it_was_on_every_rank(world_size, kwargs):
+    for got in run_ranks(_rank, world_size, kwargs, timeout=120, pg_timeout=60):
+        assert got["same"] and len(got["errors"]) == 9
 
 
 def test_checks_run_on_meta_tensors_without_an_optimizer_instance():

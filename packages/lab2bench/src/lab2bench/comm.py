@@ -248,3 +248,113 @@ def allreduce_sweep(
                 "note": "",
             })
     return rows
+
+
+# ------------------------------------------------------------------ counting collectives
+#: The collectives ``count_collectives`` sees. ``_FACTOR`` is how many elements each sends
+#: per rank in the ZeRO paper's accounting: an all-reduce of n elements 2n (a reduce-scatter
+#: then an all-gather), a reduce-scatter its input's n, an all-gather its output's n, a
+#: broadcast n.
+#: Each function's argument that sets the size: (position, keyword).
+_COUNTED = {
+    "all_reduce": (0, "tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_gather_into_tensor": (0, "output_tensor"),
+    "broadcast": (0, "tensor"),
+}
+_FACTOR = {"all_reduce": 2, "allreduce": 2, "reduce_scatter_tensor": 1,
+           "all_gather_into_tensor": 1, "broadcast": 1}
+
+
+class CollectiveCounter:
+    """What :func:`count_collectives` recorded.
+
+    Attributes:
+        calls: ``(kind, numel, nbytes)`` of every collective, in issue order.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def _volume(self, index: int) -> int:
+        return sum(_FACTOR[call[0]] * call[index] for call in self.calls)
+
+    @property
+    def volume_elements(self) -> int:
+        """Elements sent per rank, counted as the ZeRO paper does (see ``_COUNTED``)."""
+        return self._volume(1)
+
+    @property
+    def volume_bytes(self) -> int:
+        """Bytes sent per rank, counted the same way."""
+        return self._volume(2)
+
+    def by_kind(self) -> dict[str, int]:
+        """Number of calls of each kind."""
+        out: dict[str, int] = {}
+        for kind, _, _ in self.calls:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
+class count_collectives:  # noqa: N801 (used as a function: ``with count_collectives() as c``)
+    """Record every tensor collective this process issues from Python while active.
+
+    Counts ``torch.distributed``'s ``all_reduce``, ``reduce_scatter_tensor``,
+    ``all_gather_into_tensor`` and ``broadcast``, and ``ProcessGroup.allreduce`` called
+    directly (as minddp does to skip the wrapper's checks), each once. Collectives that
+    PyTorch issues from C++ (``DistributedDataParallel``'s reducer) are not seen, nor
+    the small object collectives (``all_gather_object``, ``gather_object``).
+    """
+
+    def __init__(self) -> None:
+        self.counter = CollectiveCounter()
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> CollectiveCounter:
+        import threading
+
+        import torch.distributed as dist
+
+        depth = threading.local()
+        calls = self.counter.calls
+
+        def record(kind: str, tensors: list) -> None:
+            numel = sum(t.numel() for t in tensors)
+            calls.append((kind, numel, sum(t.numel() * t.element_size() for t in tensors)))
+
+        def wrap_function(name: str, position: int, keyword: str, original: Any) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                record(name, [args[position] if len(args) > position else kwargs[keyword]])
+                depth.inside = getattr(depth, "inside", 0) + 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    depth.inside -= 1
+
+            return counted
+
+        for name, (position, keyword) in _COUNTED.items():
+            original = getattr(dist, name)
+            self._saved.append((dist, name, original))
+            setattr(dist, name, wrap_function(name, position, keyword, original))
+
+        original_allreduce = dist.ProcessGroup.allreduce
+
+        def pg_allreduce(group: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(depth, "inside", 0):  # not already counted by dist.all_reduce
+                record("allreduce", list(tensors) if isinstance(tensors, (list, tuple))
+                       else [tensors])
+            return original_allreduce(group, tensors, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, "allreduce", original_allreduce))
+        dist.ProcessGroup.allreduce = pg_allreduce
+        return self.counter
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()

@@ -9,6 +9,7 @@ Four ways to average gradients across ranks, in order of speed:
   views into the bucket buffers.
 """
 
+from minddp._bulk import copy_all, zero_all
 from minddp.allreduce import all_reduce_gradients
 from minddp.averaging import Averager
 from minddp.broadcast import broadcast_module
@@ -32,5 +33,7 @@ __all__ = [
     "assign_buckets",
     "broadcast_module",
     "check_model_consistency",
+    "copy_all",
     "model_signature",
+    "zero_all",
 ]

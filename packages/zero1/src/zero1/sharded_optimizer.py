@@ -1,22 +1,32 @@
-"""``ShardedOptimizer``: ZeRO stage 1 around any per-parameter ``torch.optim`` optimizer."""
+"""``ShardedOptimizer``: ZeRO stages 1 and 2 around any elementwise ``torch.optim`` optimizer.
+
+Two paths:
+
+* ``reduce_gradients=True`` (the default): the optimizer averages the gradients itself,
+  by reduce-scatters in flat buckets during backward, steps its equal shard of every
+  bucket and all-gathers the parameters: 2Ψ per step, as much as DDP's all-reduce
+  (:mod:`zero1.buckets`). Stage 2 also keeps only the shard of the gradients.
+* ``reduce_gradients=False``: a DDP wrapper has averaged the gradients; each rank steps
+  the whole parameters it owns and broadcasts them (:mod:`zero1.exchange`): 3Ψ with
+  the wrapper's all-reduce, PyTorch's ``ZeroRedundancyOptimizer`` pattern.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from minddp.bucket_plan import validate_bucket_rule, validate_bucket_size_mb
+
 from .accounting import optimizer_state_bytes
-from .checkpoint import (
-    merge_shards,
-    pack_param_groups,
-    select_shard,
-    shard_state_by_global_index,
-)
+from .buckets import Piece, ShardedBuckets
+from .checkpoint import merge_pieces, pack_param_groups, select_pieces, state_of_pieces
 from .exchange import ParameterExchange
 from .param_groups import (
     PARAM_KEYS,
@@ -28,6 +38,12 @@ from .param_groups import (
 from .partition import partition_parameters
 from .process_group import check_same_on_every_rank, resolve_group
 from .state_check import check_state_dict, dry_run_load
+
+#: Optimizers whose update of an element needs more than that element (factored or
+#: matrix-wise statistics, sparse gradients): the bucket path, which steps pieces of
+#: parameters, refuses them; the broadcast path steps whole parameters and takes them.
+_WHOLE_TENSOR = tuple(getattr(torch.optim, name) for name in ("Adafactor", "SparseAdam", "Muon")
+                      if hasattr(torch.optim, name))
 
 
 def _size(p: torch.Tensor) -> int:
@@ -97,25 +113,41 @@ def _choices_for(group: dict[str, Any], choices: dict[str, Any],
 
 
 class ShardedOptimizer(Optimizer):
-    """Shards the state of ``optimizer_cls`` over the ranks of a process group (ZeRO-1).
+    """Shards the state of ``optimizer_cls`` over the ranks of a process group (ZeRO).
 
-    Each parameter is owned by one rank (whole parameters, largest first onto the
-    least-loaded rank, the same on every rank). A local ``optimizer_cls`` holds only
-    this rank's parameters and state; after it steps, every rank's parameters are
-    brought to the owners' values by one broadcast per rank (and per dtype/device).
+    With ``reduce_gradients=True`` (default) the optimizer also averages the gradients:
+    do not wrap the model in a DDP wrapper. It hooks every trainable parameter,
+    reduce-scatters the gradients in flat buckets while backward runs, and ``step``
+    steps this rank's equal shard of each bucket, then all-gathers the parameters.
+    After backward, a parameter's ``.grad`` is *not* the average: stage 1 leaves this
+    rank's local gradient there, stage 2 leaves None (its gradient is sent and
+    dropped). Clip with :meth:`clip_grad_norm_`, not ``torch.nn.utils``.
+
+    With ``reduce_gradients=False`` (stage 1 only) a DDP wrapper averages the
+    gradients; each rank owns whole parameters (largest first onto the least-loaded
+    rank) and broadcasts them after its step.
 
     ``param_groups`` lists *all* parameters with their hyperparameters, as in a plain
     optimizer; edits to it (LR schedulers) are copied to the local optimizer before
     each step. ``state`` is the local optimizer's state: this rank's shard only.
-
-    Construction, ``step``, ``add_param_group`` and ``consolidate_state_dict`` are
-    collectives: call them on every rank in the same order. Without an initialised
-    ``torch.distributed`` the optimizer runs as a single rank.
+    Construction, ``step``, ``clip_grad_norm_``, ``add_param_group`` and
+    ``consolidate_state_dict`` are collectives: call them on every rank in the same
+    order. Without an initialised ``torch.distributed`` the optimizer runs as a single
+    rank, and then it is the plain optimizer.
 
     Args:
         params: an iterable of tensors or of param-group dicts (not a bare tensor).
         optimizer_cls: a ``torch.optim.Optimizer`` subclass whose state is per parameter
-            (AdamW, Adam, SGD, ...).
+            (AdamW, Adam, SGD, ...); with ``reduce_gradients`` its update must be
+            elementwise (not Adafactor, SparseAdam or Muon).
+        stage: 1 (shard the optimizer state) or 2 (also the gradients; needs
+            ``reduce_gradients``).
+        reduce_gradients: average the gradients here (see above).
+        bucket_size_mb: gradient bucket size in MiB (None: one bucket per dtype).
+        bucket_rule: "reach" (a bucket closes once it holds ``bucket_size_mb``) or
+            "at_most" (none passes it); minddp's rules.
+        reduce_dtype: the dtype gradients travel and are averaged in (e.g.
+            ``torch.bfloat16``); None: their own.
         process_group: the group to shard over; the default group when None.
         **defaults: passed to ``optimizer_cls`` (lr, betas, momentum, ...).
     """
@@ -125,6 +157,11 @@ class ShardedOptimizer(Optimizer):
         params: Any,
         optimizer_cls: type[Optimizer],
         *,
+        stage: int = 1,
+        reduce_gradients: bool = True,
+        bucket_size_mb: float | None = 25.0,
+        bucket_rule: str = "reach",
+        reduce_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
@@ -139,24 +176,51 @@ class ShardedOptimizer(Optimizer):
             # Its state lives on the first parameter and covers all of them.
             raise TypeError("ShardedOptimizer: LBFGS keeps one state for all parameters, so it "
                             "cannot be sharded by parameter")
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise ValueError(f"ShardedOptimizer: stage must be 1 or 2, got {stage!r}")
+        if not isinstance(reduce_gradients, bool):
+            raise TypeError(f"ShardedOptimizer: reduce_gradients must be a bool, "
+                            f"got {reduce_gradients!r}")
+        if stage == 2 and not reduce_gradients:
+            raise ValueError("ShardedOptimizer: stage 2 shards the gradients, so it reduces "
+                             "them itself: reduce_gradients=False needs stage=1")
+        if reduce_gradients and issubclass(optimizer_cls, _WHOLE_TENSOR):
+            raise TypeError(
+                f"ShardedOptimizer: {optimizer_cls.__name__}'s update is not elementwise, so "
+                "it cannot step pieces of parameters; use reduce_gradients=False (whole "
+                "parameters, with a DDP wrapper averaging the gradients)")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
+                                             and reduce_dtype.is_floating_point):
+            raise TypeError(f"ShardedOptimizer: reduce_dtype must be a floating torch.dtype "
+                            f"or None, got {reduce_dtype!r}")
+        bucket_size_mb = validate_bucket_size_mb(bucket_size_mb)
+        validate_bucket_rule(bucket_rule)
         groups = normalize_param_groups(params)
         check_distinct_and_colocated([p for g in groups for p in g["params"]])
         self._info = resolve_group(process_group)
         check_same_on_every_rank(self._info, [g["params"] for g in groups], "__init__")
 
         self._optimizer_cls = optimizer_cls
+        self.stage = stage
+        self.reduce_gradients = reduce_gradients
         self._loads = [0] * self._info.world_size
-        self._owners: list[list[int]] = []  # per group, the owning rank of each parameter
-        local_groups = []
-        for group in groups:
-            self._owners.append(self._partition(group["params"]))
+        self._owners: list[list[int]] = []  # broadcast path: per group, each param's owner
+        self._exchange: ParameterExchange | None = None
+        self._buckets: ShardedBuckets | None = None
+        if reduce_gradients and self._info.world_size > 1:
+            self._buckets = ShardedBuckets(self._info, stage, bucket_size_mb, bucket_rule,
+                                           reduce_dtype)
+        # Per group, this rank's pieces: (position in the group, piece).
+        self._pieces: list[list[tuple[int, Piece]]] = self._shard(groups)
+
         # Options we choose for the local optimizer's groups stay out of our own groups and
         # state dicts, which keep what a plain optimizer with the user's arguments shows.
         self._local_choices = _local_choices(optimizer_cls, defaults)
         self._public_values = {k: defaults.get(k) for k in self._local_choices}
-        self._foreach_pays: list[bool] = []  # per group, foreach_pays of its local params
-        for group, owners in zip(groups, self._owners):
-            mine = self._mine(group, owners)
+        self._foreach_pays: list[bool] = []  # per group, foreach_pays of its local tensors
+        local_groups = []
+        for group, pieces in zip(groups, self._pieces):
+            mine = [piece.local for _, piece in pieces]
             self._foreach_pays.append(foreach_pays(mine))
             local_groups.append({**hyperparameters(group),
                                  **_choices_for(group, self._local_choices,
@@ -176,7 +240,6 @@ class ShardedOptimizer(Optimizer):
         self._constructing = False
         self.state = self._local.state  # type: ignore[assignment]
         self._consolidated_state: dict[int, Any] | None = None
-        self._exchange: ParameterExchange | None = None
         self._rebuild_exchange()
 
     # ------------------------------------------------------------------ introspection
@@ -197,11 +260,20 @@ class ShardedOptimizer(Optimizer):
 
     @property
     def broadcasts_per_step(self) -> int:
-        """Collectives one ``step`` issues to exchange parameters (0 on one rank)."""
+        """Broadcasts one ``step`` issues (broadcast path; 0 otherwise)."""
         return 0 if self._exchange is None else self._exchange.broadcasts_per_step
 
+    @property
+    def num_buckets(self) -> int:
+        """Gradient buckets of the reduce-scatter path (0 otherwise): each step issues one
+        reduce-scatter and one all-gather per bucket, and one small all-reduce."""
+        return 0 if self._buckets is None else len(self._buckets.buckets)
+
     def owner_of(self, param: torch.Tensor) -> int:
-        """The rank that owns ``param``'s optimizer state."""
+        """The rank that owns ``param``'s optimizer state (broadcast path, or one rank)."""
+        if self._buckets is not None:
+            raise ValueError("ShardedOptimizer.owner_of: with reduce_gradients every rank owns "
+                             "a piece of each bucket, not whole parameters")
         for group, owners in zip(self.param_groups, self._owners):
             for p, owner in zip(group["params"], owners):
                 if p is param:
@@ -212,18 +284,39 @@ class ShardedOptimizer(Optimizer):
         """Bytes of optimizer state this rank holds (its shard only)."""
         return optimizer_state_bytes(self._local)
 
-    # ------------------------------------------------------------------ sharding
-    def _partition(self, params: list[torch.Tensor]) -> list[int]:
-        owners, self._loads = partition_parameters(
-            [_size(p) for p in params], self._info.world_size, self._loads
-        )
-        return owners
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient storage held for this rank now: the parameters' ``.grad`` and
+        the reduce-scatter path's buffers (each storage counted once)."""
+        tensors = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self._buckets is not None:
+            tensors += self._buckets.buffers()
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
-    def _mine(self, group: dict[str, Any], owners: list[int]) -> list[torch.Tensor]:
-        return [p for p, owner in zip(group["params"], owners) if owner == self._info.rank]
+    # ------------------------------------------------------------------ sharding
+    def _shard(self, groups: list[dict[str, Any]]) -> list[list[tuple[int, Piece]]]:
+        """This rank's pieces of ``groups`` (new groups: their parameters are not sharded
+        yet). Collective on the reduce-scatter path (parameters broadcast from rank 0)."""
+        if self._buckets is not None:
+            trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+            by_param = {id(piece.param): piece for piece in self._buckets.add(trainable)}
+            return [[(j, by_param[id(p)]) for j, p in enumerate(g["params"]) if id(p) in by_param]
+                    for g in groups]
+        out = []
+        for group in groups:
+            owners, self._loads = partition_parameters(
+                [_size(p) for p in group["params"]], self._info.world_size, self._loads)
+            self._owners.append(owners)
+            out.append([(j, Piece(p, p, 0)) for j, (p, owner) in enumerate(zip(group["params"],
+                                                                                owners))
+                        if owner == self._info.rank])
+        return out
 
     def _rebuild_exchange(self) -> None:
-        if self._info.world_size == 1:
+        if self._info.world_size == 1 or self._buckets is not None:
             return
         by_rank: list[list[torch.Tensor]] = [[] for _ in range(self._info.world_size)]
         for group, owners in zip(self.param_groups, self._owners):
@@ -234,8 +327,9 @@ class ShardedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group and shard its parameters (collective: call it on every rank).
 
-        Also works mid-training (unfreezing layers): the new parameters continue the
-        load balance of the existing ones, and the parameter buffers are rebuilt.
+        Also works mid-training (unfreezing layers): on the broadcast path the new
+        parameters continue the load balance and the parameter buffers are rebuilt; on
+        the reduce-scatter path they get buckets of their own.
 
         Args:
             param_group: a dict with ``params`` and optional hyperparameters.
@@ -248,23 +342,92 @@ class ShardedOptimizer(Optimizer):
         existing = [p for g in self.param_groups for p in g["params"]]
         check_distinct_and_colocated(group["params"], existing)
         check_same_on_every_rank(self._info, [group["params"]], "add_param_group")
-        loads_before = self._loads
-        owners = self._partition(group["params"])
-        mine = self._mine(group, owners)
+        loads_before, owners_before = list(self._loads), len(self._owners)
+        pieces = self._shard([group])[0]
+        mine = [piece.local for _, piece in pieces]
         pays = foreach_pays(mine)
         try:
             self._local.add_param_group({**hyperparameters(group),
                                          **_choices_for(group, self._local_choices, pays),
                                          "params": mine})
         except BaseException:
-            self._loads = loads_before
+            self._loads = loads_before  # the broadcast path's partition, as it was
+            del self._owners[owners_before:]
             raise
+        self._pieces.append(pieces)
         self._foreach_pays.append(pays)
         local = self._local.param_groups[-1]
         super().add_param_group({**self._public(local, group), "params": group["params"]})
-        self._owners.append(owners)
         self._consolidated_state = None
         self._rebuild_exchange()
+
+    # ------------------------------------------------------------------ gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, sending nothing; the next
+        one outside sends the sum. (Reduce-scatter path; elsewhere a no-op: the DDP
+        wrapper's own ``no_sync`` does this on the broadcast path.)"""
+        if self._buckets is None:
+            yield
+            return
+        with self._buckets.no_sync():
+            yield
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for this step's gradient reductions (collective; ``step`` and
+        :meth:`clip_grad_norm_` call it, and later calls do nothing until the step)."""
+        if self._buckets is not None:
+            self._buckets.finish()
+
+    def shard_gradients(self) -> list[torch.Tensor]:
+        """The averaged gradients this rank steps: the pieces' ``.grad`` on the
+        reduce-scatter path (after :meth:`finish_gradient_synchronization`), else every
+        parameter's ``.grad``."""
+        if self._buckets is not None:
+            self._buckets.finish()
+            return self._buckets.shard_gradients()
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the averaged gradients so that their global norm is at most ``max_norm``,
+        as ``torch.nn.utils.clip_grad_norm_`` over all parameters would; returns the
+        norm before clipping. Collective: on the reduce-scatter path each rank's shard
+        norms are combined by one all-reduce of a scalar.
+
+        Raises:
+            ValueError: a negative or NaN ``max_norm``, or a ``norm_type`` below 1.
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not max_norm >= 0:
+            raise ValueError(f"ShardedOptimizer.clip_grad_norm_: max_norm must be >= 0, "
+                             f"got {max_norm}")
+        if not norm_type >= 1:
+            raise ValueError(f"ShardedOptimizer.clip_grad_norm_: norm_type must be >= 1 "
+                             f"(or inf), got {norm_type}")
+        if self._buckets is None:
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        grads = self.shard_gradients()
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=wide) for g in grads])
+        if norm_type == float("inf"):
+            total = norms.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._info.group)
+        else:
+            total = norms.pow(norm_type).sum()
+            dist.all_reduce(total, group=self._info.group)
+            total = total.pow(1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient and this rank's gradient shards."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._buckets is not None:
+            self._buckets.zero_grad()
 
     # ------------------------------------------------------------------ stepping
     def _public(self, local_group: dict[str, Any], user_group: dict[str, Any]) -> dict[str, Any]:
@@ -307,15 +470,31 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        buckets = self._buckets
+        if buckets is not None:
+            buckets.finish()
+            buckets.ensure_bound()
+        elif self._exchange is not None:
+            self._exchange.ensure_bound()
         self._push_hyperparameters()
         self._local.step(**kwargs)
-        if self._exchange is not None:
-            self._exchange.ensure_bound()
+        if buckets is not None:
+            buckets.gather_parameters()
+            buckets.end_step()
+        elif self._exchange is not None:
             self._exchange.synchronize()
         self._consolidated_state = None
         return loss
 
     # ------------------------------------------------------------------ checkpoints
+    def _numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank holds."""
+        out, start = [], 0
+        for group, pieces in zip(self.param_groups, self._pieces):
+            out.extend((start + j, piece) for j, piece in pieces)
+            start += len(group["params"])
+        return out
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard state onto rank ``to`` (collective; tensors on CPU).
 
@@ -331,19 +510,17 @@ class ShardedOptimizer(Optimizer):
                 f"ShardedOptimizer.consolidate_state_dict: to must be a rank in "
                 f"[0, {info.world_size}), got {to!r}"
             )
-        numbered = enumerate(
-            (p, owner)
-            for group, owners in zip(self.param_groups, self._owners)
-            for p, owner in zip(group["params"], owners)
-        )
-        owned = [(index, p) for index, (p, owner) in numbered if owner == info.rank]
-        shard = shard_state_by_global_index(self._local.state, owned)
+        shard = state_of_pieces(self._local.state, self._numbered_pieces())
         if info.world_size == 1:
             shards: list[Any] = [shard]
         else:
             shards = [None] * info.world_size if info.rank == to else None  # type: ignore[assignment]
             dist.gather_object(shard, shards, dst=info.global_ranks[to], group=info.group)
-        self._consolidated_state = merge_shards(shards) if info.rank == to else None
+        if info.rank == to:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._consolidated_state = merge_pieces(shards, [p.shape for p in params])
+        else:
+            self._consolidated_state = None
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``optimizer_cls``'s format (only after consolidation).
@@ -373,7 +550,7 @@ class ShardedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (ours or a plain ``optimizer_cls``'s), at any world size.
 
-        Every rank keeps the state of the parameters it owns and takes the groups'
+        Every rank keeps the state of what it steps and takes the groups'
         hyperparameters. Not a collective, but call it on every rank.
 
         Everything is checked before anything changes (see :mod:`zero1.state_check`): a
@@ -400,7 +577,7 @@ class ShardedOptimizer(Optimizer):
                          optimizer_name=self._optimizer_cls.__name__,
                          optimizer_cls=self._optimizer_cls)
         dry_run_load(state_dict, self.param_groups, self.defaults, self._optimizer_cls)
-        shard = select_shard(state_dict, self._owners, self._info.rank)
+        shard = select_pieces(state_dict, self._pieces)
         saved_hyperparameters = [hyperparameters(g) for g in state_dict["param_groups"]]
         local = self._local
         before = {k: local.__dict__[k] for k in ("state", "param_groups")}
@@ -427,7 +604,8 @@ class ShardedOptimizer(Optimizer):
             hook(self)
 
     def __repr__(self) -> str:
+        path = "reduce-scatter" if self._buckets is not None else "broadcast"
         return (
-            f"ShardedOptimizer({self._optimizer_cls.__name__}, rank {self._info.rank} of "
-            f"{self._info.world_size}, {len(self.param_groups)} param groups)"
+            f"ShardedOptimizer({self._optimizer_cls.__name__}, stage {self.stage}, {path}, rank "
+            f"{self._info.rank} of {self._info.world_size}, {len(self.param_groups)} param groups)"
         )

@@ -49,7 +49,8 @@ def check_state_dict(
     that every ``state`` entry belongs to one of them, that every group carries the
     optimizer's numeric hyperparameters (``betas`` and ``eps`` for AdamW, ``momentum``
     for SGD: a state dict of another optimizer lacks them), and that every state tensor
-    is a scalar or has its parameter's shape.
+    is a scalar or has its parameter's shape (and a floating dtype for a floating
+    parameter), and that every state value is a tensor or a number (not a list).
 
     Args:
         state_dict: what is about to be loaded.
@@ -124,6 +125,15 @@ def check_state_dict(
         i, j = positions[saved_id]
         param = param_groups[i]["params"][j]
         for key, value in entry.items():
+            if value is not None and not isinstance(value, (torch.Tensor, int, float, bool)):
+                raise TypeError(
+                    f"{who}: state {key!r} of parameter {j} in param group {i} is a "
+                    f"{type(value).__name__}; optimizer state values are tensors or numbers")
+            if (isinstance(value, torch.Tensor) and value.dim() > 0
+                    and param.is_floating_point() and not value.is_floating_point()):
+                raise TypeError(
+                    f"{who}: state {key!r} of parameter {j} in param group {i} is a "
+                    f"{value.dtype} tensor; the parameter is {param.dtype}")
             if not check_shapes or not isinstance(value, torch.Tensor) or value.numel() <= 1:
                 continue  # scalars such as 'step'
             if value.shape != param.shape:
