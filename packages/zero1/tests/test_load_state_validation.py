@@ -31,7 +31,7 @@ def _train(model, opt, steps: int, seed: int, rank: int = 0, world: int = 1) -> 
         x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
         opt.zero_grad()
         model(x[rank::world]).square().mean().backward()
-        if world > 1 and not getattr(opt, "reduce_gradients", True):  # averaged by hand, as DDP would
+        if world > 1 and not getattr(opt, "reduce_gradients", True):  # by hand, as DDP would
             for p in model.parameters():
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= world
