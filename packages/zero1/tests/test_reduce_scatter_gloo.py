@@ -83,7 +83,8 @@ def _train_sharded(rank, world, case, steps, model=None, opt=None):
     cls, kwargs = _optimizer_cls(case["opt"])
     opt = opt or ShardedOptimizer(_groups(model), cls, stage=case["stage"],
                                   bucket_size_mb=SMALL_BUCKETS_MB,
-                                  reduce_dtype=case.get("reduce_dtype"), **kwargs)
+                                  reduce_dtype=case.get("reduce_dtype"),
+                                  collectives=case.get("collectives", "auto"), **kwargs)
     norms = []
     for step in range(steps):
         x, y = _batch(step)
@@ -127,6 +128,14 @@ CASES = {
     "stage1-adamw": {"stage": 1, "opt": "adamw"},
     "stage2-adamw": {"stage": 2, "opt": "adamw"},
     "stage1-sgd-clip": {"stage": 1, "opt": "sgd", "clip": 0.05},
+    # Gloo's default is "rooted" (a reduce to each owner, a broadcast from each); "tensor"
+    # is the reduce-scatter and all-gather NCCL runs.
+    "stage1-tensor-accumulate": {"stage": 1, "opt": "adamw", "collectives": "tensor",
+                                 "micros": 2},
+    "stage2-tensor-accumulate-clip": {"stage": 2, "opt": "adamw", "collectives": "tensor",
+                                      "micros": 2, "clip": 0.1},
+    "stage1-tensor-bf16-reduce": {"stage": 1, "opt": "adamw", "collectives": "tensor",
+                                  "reduce_dtype": torch.bfloat16, "bf16_tol": True},
     "stage2-sgd-clip": {"stage": 2, "opt": "sgd", "clip": 0.05},
     "stage1-accumulate-no-sync": {"stage": 1, "opt": "adamw", "micros": 2, "no_sync": True},
     "stage1-accumulate": {"stage": 1, "opt": "adamw", "micros": 2},
@@ -186,13 +195,15 @@ def _bytes_rank(rank: int, world: int) -> dict:
     from minddp import DDPBucketed
 
     out = {}
-    for label, stage, reduce in (("stage1", 1, True), ("stage2", 2, True),
+    for label, stage, reduce in (("stage1-tensor", 1, True), ("stage2-tensor", 2, True),
+                                 ("stage1-rooted", 1, True), ("stage2-rooted", 2, True),
                                  ("broadcast", 1, False)):
         model = Net()
         if reduce:
             forward = model
             opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, stage=stage,
-                                   bucket_size_mb=SMALL_BUCKETS_MB, lr=0.01)
+                                   bucket_size_mb=SMALL_BUCKETS_MB, lr=0.01,
+                                   collectives=label.split("-")[1])
         else:
             forward = DDPBucketed(model, bucket_size_mb=SMALL_BUCKETS_MB)
             opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, reduce_gradients=False,
@@ -221,15 +232,18 @@ def test_bytes_sent_per_step(world_size):
         if world_size == 1:
             assert all(v["volume"] == 0 for v in got.values()), got
             continue
-        for label in ("stage1", "stage2"):
+        for label in ("stage1-tensor", "stage2-tensor", "stage1-rooted", "stage2-rooted"):
             v = got[label]
             flags = 2 * v["tensors"]  # one float per trainable parameter, all-reduced
             slack = 2 * v["buckets"] * (world_size - 1)  # padding, sent twice
             assert 2 * v["psi"] + flags <= v["volume"] <= 2 * v["psi"] + flags + slack, v
-            assert v["kinds"]["reduce_scatter_tensor"] == v["buckets"], v
-            assert v["kinds"]["all_gather_into_tensor"] == v["buckets"], v
-            assert v["kinds"]["all_reduce"] == 1, v
-            assert "broadcast" not in v["kinds"], v
+            if label.endswith("tensor"):
+                want = {"reduce_scatter_tensor": v["buckets"],
+                        "all_gather_into_tensor": v["buckets"], "all_reduce": 1}
+            else:  # one reduce to and one broadcast from each rank, per bucket
+                want = {"reduce": v["buckets"] * world_size,
+                        "broadcast": v["buckets"] * world_size, "all_reduce": 1}
+            assert v["kinds"] == want, (label, v)
         old = got["broadcast"]
         # DDPBucketed's all-reduce carries a used flag per member, and the broadcasts also
         # carry the frozen parameters (every parameter has an owner there).
@@ -237,13 +251,13 @@ def test_bytes_sent_per_step(world_size):
 
 
 # ---------------------------------------------------------------------------- bytes held
-def _memory_rank(rank: int, world: int, stage: int) -> dict:
+def _memory_rank(rank: int, world: int, stage: int, collectives: str) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).double()
     bucket_mb = 64 * 65 * 8 * 2 / 2**20  # about two layers a bucket
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
-                           bucket_size_mb=bucket_mb, lr=0.01)
+                           bucket_size_mb=bucket_mb, collectives=collectives, lr=0.01)
     x = torch.randn(8, 64, dtype=torch.float64)
     out = {}
     for _ in range(2):
@@ -258,12 +272,14 @@ def _memory_rank(rank: int, world: int, stage: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("collectives", ["tensor", "rooted"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_bytes_held_per_rank(world_size, stage):
+def test_bytes_held_per_rank(world_size, stage, collectives):
     """Gradient + Adam state bytes per rank against ZeRO's formulas, within one bucket:
     stage 1 holds the full gradients and 1/N of them averaged, stage 2 only the 1/N (and
     one bucket's send buffer)."""
-    for got in run_ranks(_memory_rank, world_size, stage, timeout=120, pg_timeout=60):
+    for got in run_ranks(_memory_rank, world_size, stage, collectives, timeout=120,
+                         pg_timeout=60):
         b, n = 8, world_size  # float64
         psi = got["psi"]
         state = got["state"]

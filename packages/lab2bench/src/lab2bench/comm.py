@@ -254,16 +254,17 @@ def allreduce_sweep(
 #: The collectives ``count_collectives`` sees. ``_FACTOR`` is how many elements each sends
 #: per rank in the ZeRO paper's accounting: an all-reduce of n elements 2n (a reduce-scatter
 #: then an all-gather), a reduce-scatter its input's n, an all-gather its output's n, a
-#: broadcast n.
+#: broadcast or a reduce n.
 #: Each function's argument that sets the size: (position, keyword).
 _COUNTED = {
     "all_reduce": (0, "tensor"),
     "reduce_scatter_tensor": (1, "input"),
     "all_gather_into_tensor": (0, "output_tensor"),
     "broadcast": (0, "tensor"),
+    "reduce": (0, "tensor"),
 }
 _FACTOR = {"all_reduce": 2, "allreduce": 2, "reduce_scatter_tensor": 1,
-           "all_gather_into_tensor": 1, "broadcast": 1}
+           "all_gather_into_tensor": 1, "broadcast": 1, "reduce": 1}
 
 
 class CollectiveCounter:
@@ -304,7 +305,7 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
     """Record every tensor collective this process issues from Python while active.
 
     Counts ``torch.distributed``'s ``all_reduce``, ``reduce_scatter_tensor``,
-    ``all_gather_into_tensor`` and ``broadcast``, and ``ProcessGroup.allreduce`` called
+    ``all_gather_into_tensor``, ``broadcast`` and ``reduce``, and ``ProcessGroup.allreduce`` called
     directly (as minddp does to skip the wrapper's checks), each once. Collectives that
     PyTorch issues from C++ (``DistributedDataParallel``'s reducer) are not seen, nor
     the small object collectives (``all_gather_object``, ``gather_object``).

@@ -60,6 +60,14 @@ from minddp import TensorInfo, assign_buckets, copy_all, zero_all
 
 from .process_group import GroupInfo
 
+#: How a bucket is reduce-scattered and all-gathered. "tensor": one
+#: ``reduce_scatter_tensor`` and one ``all_gather_into_tensor`` per bucket (NCCL's fast
+#: path). "rooted": one ``reduce`` to each owner and one ``broadcast`` from each owner, the
+#: same bytes; on Gloo these are 2-4x faster than its reduce-scatter and all-gather (25 MiB
+#: on 2 CPU ranks: 112 ms against 232 ms to reduce, 54 against 219 ms to gather).
+#: "auto": rooted on Gloo, tensor elsewhere.
+COLLECTIVES = ("auto", "tensor", "rooted")
+
 
 @dataclass
 class Piece:
@@ -98,9 +106,9 @@ class _Bucket:
 class _Reduction:
     """One reduce-scatter in flight and where its result goes."""
 
-    work: dist.Work
+    works: list[dist.Work]
     bucket: _Bucket
-    output: torch.Tensor  # the bucket's grad_shard, or a temporary
+    output: torch.Tensor  # where this rank's sum lands: grad_shard, or a temporary
     accumulate: bool = False  # add the result into grad_shard (else replace it)
     done: bool = False
 
@@ -116,7 +124,8 @@ class ShardedBuckets:
     """
 
     def __init__(self, info: GroupInfo, stage: int, bucket_size_mb: float | None,
-                 bucket_rule: str, reduce_dtype: torch.dtype | None) -> None:
+                 bucket_rule: str, reduce_dtype: torch.dtype | None,
+                 collectives: str = "auto") -> None:
         self.info = info
         self.stage = stage
         self.bucket_size_mb = bucket_size_mb
@@ -134,6 +143,13 @@ class ShardedBuckets:
         self._native_average = (getattr(dist.ReduceOp, "AVG", None) is not None
                                 and dist.get_backend(info.group) == "nccl")
         self._op = dist.ReduceOp.AVG if self._native_average else dist.ReduceOp.SUM
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {', '.join(COLLECTIVES)}, got "
+                             f"{collectives!r}")
+        if collectives == "auto":
+            collectives = "rooted" if dist.get_backend(info.group) == "gloo" else "tensor"
+        self.collectives = collectives
+        self._rooted = collectives == "rooted"
         self._hooks: list = []
         self.sync_enabled = True
         self._reset_step()
@@ -187,6 +203,11 @@ class ShardedBuckets:
                          torch.zeros(padded // world, dtype=first.dtype, device=first.device))
         bucket.pointers = [p.data_ptr() for p in params]
         wire = self._wire_dtype(first.dtype)
+        if self.stage == 2 or self._rooted:
+            key = (wire, first.device)
+            pool = self._pools.get(key)
+            if pool is None or pool.numel() < padded:
+                self._pools[key] = torch.empty(padded, dtype=key[0], device=first.device)
         if self.stage == 1:
             bucket.grads = torch.zeros(padded, dtype=first.dtype, device=first.device)
             bucket.views = [bucket.grads[o : o + p.numel()].view(p.shape)
@@ -195,13 +216,8 @@ class ShardedBuckets:
                 if p.grad is not None:  # keep a gradient the user already has
                     view.copy_(p.grad)
                     p.grad = view
-            if wire != first.dtype:
+            if wire != first.dtype and not self._rooted:
                 bucket.wire = torch.empty(padded, dtype=wire, device=first.device)
-        else:
-            key = (wire, first.device)
-            pool = self._pools.get(key)
-            if pool is None or pool.numel() < padded:
-                self._pools[key] = torch.empty(padded, dtype=key[0], device=first.device)
         return bucket
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -299,31 +315,28 @@ class ShardedBuckets:
         self._rounds += 1
 
     # ------------------------------------------------------------------ collectives
-    def _reduce_scatter(self, output: torch.Tensor, send: torch.Tensor) -> dist.Work:
-        return dist.reduce_scatter_tensor(output, send, op=self._op, group=self.info.group,
-                                          async_op=True)
-
     def _launch(self, bucket: _Bucket) -> None:
+        """Start bucket ``bucket``'s reduction (its members' gradients are complete)."""
         params = [self.params[i] for i in bucket.members]
+        key = (self._wire_dtype(bucket.params.dtype), bucket.params.device)
         if self.stage == 1:
             self._adopt(bucket, params)
-            send = bucket.grads
-            if bucket.wire is not None:
-                bucket.wire.copy_(bucket.grads)
-                send = bucket.wire
-            # The first reduction of a step may land in the shard itself; a later one
-            # (accumulation without no_sync) replaces it once both are done.
-            direct = not bucket.sent and send.dtype == bucket.grad_shard.dtype
-            output = (bucket.grad_shard if direct
-                      else torch.empty(bucket.shard, dtype=send.dtype, device=send.device))
-            bucket.sent = True
-            self._pending.append(_Reduction(self._reduce_scatter(output, send), bucket, output))
+            if not self._rooted:
+                send = bucket.grads
+                if bucket.wire is not None:
+                    bucket.wire.copy_(bucket.grads)
+                    send = bucket.wire
+                # The first reduction of a step may land in the shard itself; a later
+                # one (accumulation without no_sync) replaces it once both are done.
+                self._start(bucket, send, direct=not bucket.sent)
+                bucket.sent = True
+                return
+            # Rooted reductions use their input as scratch: send a copy.
+            send = self._free_pool(key)[: bucket.padded]
+            send.copy_(bucket.grads)
+            self._pool_pending[key] = self._start(bucket, send, direct=False)
             return
-        key = (self._wire_dtype(bucket.params.dtype), bucket.params.device)
-        previous = self._pool_pending.pop(key, None)
-        if previous is not None:  # the send buffer is free once its last reduction is done
-            self._complete(previous)
-        send = self._pools[key][: bucket.padded]
+        send = self._free_pool(key)[: bucket.padded]
         grads, targets, missing = [], [], []
         for p, offset in zip(params, bucket.offsets):
             view = send[offset : offset + p.numel()].view(p.shape)
@@ -339,13 +352,38 @@ class ShardedBuckets:
             missing.append(send[bucket.numel :])
         if missing:
             zero_all(missing)
-        direct = bucket.fresh and send.dtype == bucket.grad_shard.dtype
-        output = (bucket.grad_shard if direct
-                  else torch.empty(bucket.shard, dtype=send.dtype, device=send.device))
-        entry = _Reduction(self._reduce_scatter(output, send), bucket, output, not bucket.fresh)
+        self._pool_pending[key] = self._start(bucket, send, direct=bucket.fresh,
+                                              accumulate=not bucket.fresh)
         bucket.fresh = False
+
+    def _free_pool(self, key: tuple[torch.dtype, torch.device]) -> torch.Tensor:
+        """The send buffer of ``key``, once the reduction that last used it is done."""
+        previous = self._pool_pending.pop(key, None)
+        if previous is not None:
+            self._complete(previous)
+        return self._pools[key]
+
+    def _start(self, bucket: _Bucket, send: torch.Tensor, *, direct: bool,
+               accumulate: bool = False) -> _Reduction:
+        """Reduce ``send`` (the bucket's gradients, padded) so that this rank gets the
+        sum of its shard; ``direct``: into the bucket's shard itself, where the dtype
+        allows (else into a temporary, copied or, with ``accumulate``, added after)."""
+        info = self.info
+        c = bucket.shard
+        if self._rooted:
+            # One reduce to each owner: on Gloo much faster than its reduce-scatter.
+            works = [dist.reduce(send[r * c : (r + 1) * c], dst=info.global_ranks[r],
+                                 op=dist.ReduceOp.SUM, group=info.group, async_op=True)
+                     for r in range(info.world_size)]
+            output = send[info.rank * c : (info.rank + 1) * c]
+        else:
+            output = (bucket.grad_shard if direct and send.dtype == bucket.grad_shard.dtype
+                      else torch.empty(c, dtype=send.dtype, device=send.device))
+            works = [dist.reduce_scatter_tensor(output, send, op=self._op, group=info.group,
+                                                async_op=True)]
+        entry = _Reduction(works, bucket, output, accumulate)
         self._pending.append(entry)
-        self._pool_pending[key] = entry
+        return entry
 
     def _adopt(self, bucket: _Bucket, params: list[torch.Tensor]) -> None:
         """Stage 1: make every member's ``.grad`` its view of the bucket, keeping its
@@ -370,9 +408,10 @@ class ShardedBuckets:
         """Wait for one reduction and leave its average in the bucket's shard."""
         if r.done:
             return
-        r.work.wait()
+        for work in r.works:
+            work.wait()
         r.done = True
-        if not self._native_average:
+        if self._rooted or not self._native_average:
             r.output.div_(self.info.world_size)
         if r.output is not r.bucket.grad_shard:
             if r.accumulate:
@@ -439,13 +478,18 @@ class ShardedBuckets:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """All-gather every bucket's parameters from the owners' updated shards."""
-        rank = self.info.rank
-        works = [
-            dist.all_gather_into_tensor(
-                b.params, b.params[rank * b.shard : (rank + 1) * b.shard],
-                group=self.info.group, async_op=True)
-            for b in self.buckets
-        ]
+        info = self.info
+        works = []
+        for b in self.buckets:
+            c = b.shard
+            if self._rooted:  # one broadcast from each owner (see ``collectives``)
+                works += [dist.broadcast(b.params[r * c : (r + 1) * c], src=info.global_ranks[r],
+                                         group=info.group, async_op=True)
+                          for r in range(info.world_size)]
+            else:
+                works.append(dist.all_gather_into_tensor(
+                    b.params, b.params[info.rank * c : (info.rank + 1) * c], group=info.group,
+                    async_op=True))
         for work in works:
             work.wait()
 

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from minddp.bucket_plan import validate_bucket_rule, validate_bucket_size_mb
 
 from .accounting import optimizer_state_bytes
-from .buckets import Piece, ShardedBuckets
+from .buckets import COLLECTIVES, Piece, ShardedBuckets
 from .checkpoint import merge_pieces, pack_param_groups, select_pieces, state_of_pieces
 from .exchange import ParameterExchange
 from .param_groups import (
@@ -148,6 +148,9 @@ class ShardedOptimizer(Optimizer):
             "at_most" (none passes it); minddp's rules.
         reduce_dtype: the dtype gradients travel and are averaged in (e.g.
             ``torch.bfloat16``); None: their own.
+        collectives: how buckets travel: "tensor" (a reduce-scatter and an all-gather
+            each), "rooted" (a reduce to and a broadcast from each owner: the same bytes,
+            faster on Gloo) or "auto" (rooted on Gloo, tensor elsewhere).
         process_group: the group to shard over; the default group when None.
         **defaults: passed to ``optimizer_cls`` (lr, betas, momentum, ...).
     """
@@ -162,6 +165,7 @@ class ShardedOptimizer(Optimizer):
         bucket_size_mb: float | None = 25.0,
         bucket_rule: str = "reach",
         reduce_dtype: torch.dtype | None = None,
+        collectives: str = "auto",
         process_group: dist.ProcessGroup | None = None,
         **defaults: Any,
     ) -> None:
@@ -189,6 +193,9 @@ class ShardedOptimizer(Optimizer):
                 f"ShardedOptimizer: {optimizer_cls.__name__}'s update is not elementwise, so "
                 "it cannot step pieces of parameters; use reduce_gradients=False (whole "
                 "parameters, with a DDP wrapper averaging the gradients)")
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"ShardedOptimizer: collectives must be one of "
+                             f"{', '.join(COLLECTIVES)}, got {collectives!r}")
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
                                              and reduce_dtype.is_floating_point):
             raise TypeError(f"ShardedOptimizer: reduce_dtype must be a floating torch.dtype "
@@ -209,7 +216,7 @@ class ShardedOptimizer(Optimizer):
         self._buckets: ShardedBuckets | None = None
         if reduce_gradients and self._info.world_size > 1:
             self._buckets = ShardedBuckets(self._info, stage, bucket_size_mb, bucket_rule,
-                                           reduce_dtype)
+                                           reduce_dtype, collectives)
         # Per group, this rank's pieces: (position in the group, piece).
         self._pieces: list[list[tuple[int, Piece]]] = self._shard(groups)
 
