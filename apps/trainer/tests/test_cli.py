@@ -32,14 +32,16 @@ def finished_run(corpus_dir, tmp_path_factory) -> Path:
 
 
 def test_main_command_in_short_on_two_gloo_ranks(corpus_dir, tmp_path):
-    """The README's main command (2 ranks, DDPBucketed, ShardedOptimizer), shortened."""
+    """The README's main command (2 ranks, ShardedOptimizer reduce-scattering the gradients
+    itself, no DDP wrapper: the default --sharding zero1), shortened."""
     out = tmp_path / "run"
     rc = main([*TINY, "--data", str(corpus_dir), "--nproc", "2", "--steps", "30", "--lr", "1e-2",
                "--warmup", "3", "--eval-every", "15", "--out", str(out)])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2
-    assert "DDPBucketed" in summary["setup"] and "ShardedOptimizer" in summary["setup"]
+    assert "no DDP" in summary["setup"]
+    assert "ShardedOptimizer(stage 1, reduce-scatter" in summary["setup"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     losses = [r["loss"] for r in records]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
@@ -65,7 +67,15 @@ def run_bad(capsys, argv: list[str]) -> str:
         (["--batch-size", "4", "--nproc", "8"], "cannot feed 8 rank(s)"),
         (["--nproc", "0"], "--nproc must be >= 1"),
         (["--steps", "0"], "--steps must be >= 1"),
-        (["--ddp", "none", "--nproc", "2"], "--ddp none cannot average"),
+        (["--ddp", "none", "--sharding", "none", "--nproc", "2"], "--ddp none cannot average"),
+        (["--sharding", "zero2", "--ddp", "bucketed", "--nproc", "2"],
+         "--sharding zero2 averages gradients itself, without a DDP wrapper: drop --ddp "
+         "bucketed"),
+        (["--sharding", "zero1", "--precision", "fp16", "--nproc", "2"],
+         "--precision fp16 needs a gradient scaler"),
+        (["--sharding", "fsdp", "--precision", "fp16", "--nproc", "2"], "use bf16"),
+        (["--sharding", "torch", "--ddp", "none", "--nproc", "2"],
+         "--sharding torch needs a --ddp variant"),
         (["--context-length", "100000"], "fewer than one window"),
     ],
 )

@@ -38,10 +38,17 @@ def test_every_setting_has_one_flag_with_its_fields_doc():
 def test_resolve_fills_world_size_defaults():
     one = TrainSettings().resolve(None, "cuda")
     assert (one.nproc, one.ddp, one.sharding) == (1, "none", "none")
+    # More ranks: zero1's ShardedOptimizer reduces the gradients itself, no DDP wrapper.
     two = TrainSettings().resolve(None, "cpu")
-    assert (two.nproc, two.ddp, two.sharding) == (2, "bucketed", "zero1")
+    assert (two.nproc, two.ddp, two.sharding) == (2, "none", "zero1")
+    # A DDP wrapper given alone keeps its pairing with zero1's all-reduce + broadcast path.
     given = TrainSettings(nproc=3, ddp="torch").resolve(None, "cpu")
-    assert (given.nproc, given.ddp, given.sharding) == (3, "torch", "zero1")
+    assert (given.nproc, given.ddp, given.sharding) == (3, "torch", "zero1-allreduce")
+    for kind in ("zero2", "fsdp"):
+        alone = TrainSettings(nproc=2, sharding=kind).resolve(None, "cpu")
+        assert (alone.ddp, alone.sharding) == ("none", kind)
+    paired = TrainSettings(nproc=2, sharding="torch").resolve(None, "cpu")
+    assert (paired.ddp, paired.sharding) == ("bucketed", "torch")
     assert TrainSettings(nproc=4).resolve(8, "cuda").nproc == 8  # torchrun's world wins
     with pytest.raises(ValueError, match="--nproc must be >= 1"):
         TrainSettings(nproc=0).resolve()

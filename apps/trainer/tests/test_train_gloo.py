@@ -16,11 +16,11 @@ torch.set_num_threads(1)
 
 # ddp, sharding, norm, grad_accum: ours first, then PyTorch's, then the other variants.
 VARIANTS = [
-    ("bucketed", "zero1", "tritonnorm", 1),
+    ("bucketed", "zero1-allreduce", "tritonnorm", 1),
     ("torch", "torch", "torch", 1),
-    ("bucketed", "zero1", "reference", 2),
+    ("bucketed", "zero1-allreduce", "reference", 2),
     ("individual", "none", "tritonnorm", 1),
-    ("flat", "zero1", "tritonnorm", 2),
+    ("flat", "zero1-allreduce", "tritonnorm", 2),
     ("naive", "torch", "tritonnorm", 1),
 ]
 
@@ -80,7 +80,7 @@ def test_every_stack_matches_one_process_on_the_full_batch(world_size, corpus_di
 
 def _resume_rank(rank, world_size, data, out, single_ckpt):
     ctx = DistContext.from_process_group()
-    stack = dict(ddp="bucketed", sharding="zero1")
+    stack = dict(ddp="bucketed", sharding="zero1-allreduce")
     straight = Trainer(tiny_settings(data, f"{out}/straight", **stack), ctx)
     straight.run()
     first = Trainer(tiny_settings(data, f"{out}/stopped", **stack), ctx)
@@ -125,7 +125,7 @@ def test_resume_is_bitwise_and_works_across_world_sizes(world_size, corpus_dir, 
 # backward, and training matches the uncompiled stack and one process on the full batch.
 # ``aot_eager`` traces and partitions the graph as inductor does, without generating code,
 # so it compiles in seconds.
-COMPILE_STACK = dict(ddp="bucketed", sharding="zero1", steps=4)
+COMPILE_STACK = dict(ddp="bucketed", sharding="zero1-allreduce", steps=4)
 
 
 def _compiled_rank(rank, world_size, data, out):

@@ -18,7 +18,10 @@ from typing import Any
 from lab2_trainer.config import ModelConfig, check_fields, check_value, setting
 
 DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
-SHARDING_KINDS = ("none", "zero1", "torch")
+SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
+#: The sharding kinds that average gradients themselves, with no DDP wrapper (``--ddp none``):
+#: zero1's ShardedOptimizer reduce-scattering them (stages 1 and 2) and PyTorch's FSDP2.
+SELF_REDUCING = ("zero1", "zero2", "fsdp")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 #: How ``bucket_mb`` cuts minddp's buckets (``minddp.BUCKET_RULES``; a test holds them equal).
@@ -90,20 +93,30 @@ class TrainSettings:
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
     ddp: str | None = setting(None, choices=DDP_KINDS, group="parallelism",
-                              default_text="bucketed with >1 rank, else none")
-    """Gradient averaging: minddp's bucketed, individual, flat or naive; PyTorch's
-    DistributedDataParallel (torch); none (one rank only)."""
+                              default_text="none with zero1, zero2 and fsdp (they average "
+                              "gradients themselves); else bucketed with >1 rank, else none")
+    """Gradient averaging wrapper: minddp's bucketed, individual, flat or naive; PyTorch's
+    DistributedDataParallel (torch); none (one rank, or a sharding that averages
+    gradients itself). Only --sharding none, zero1-allreduce and torch take one."""
     bucket_mb: float = setting(25.0, check="finite>0", group="parallelism")
-    """DDP bucket size in MiB (bucketed and torch)."""
+    """Bucket size in MiB: DDP's (bucketed and torch) and zero1/zero2's gradient buckets."""
     bucket_rule: str = setting("reach", choices=BUCKET_RULES, group="parallelism")
-    """How bucket_mb cuts minddp's buckets: "reach" closes a bucket once it holds
+    """How bucket_mb cuts minddp's and zero1/zero2's buckets: "reach" closes a bucket once it holds
     bucket_mb, as PyTorch DDP does (the same buckets as torch at the same size);
     "at_most" lets none pass it (about twice as many buckets, each with its own host work
     and collective)."""
     sharding: str | None = setting(None, choices=SHARDING_KINDS, group="parallelism",
-                                   default_text="zero1 with >1 rank, else none")
-    """Optimizer-state sharding: zero1's ShardedOptimizer, PyTorch's
-    ZeroRedundancyOptimizer (torch), or none."""
+                                   default_text="zero1 with >1 rank (zero1-allreduce when "
+                                   "--ddp is given), else none")
+    """ZeRO sharding: zero1 / zero2 (zero1's ShardedOptimizer stage 1 / 2: gradients
+    reduce-scattered in buckets during backward, no DDP wrapper), zero1-allreduce (a --ddp
+    wrapper all-reduces, ShardedOptimizer broadcasts its updated shards), torch (a --ddp
+    wrapper + PyTorch's ZeroRedundancyOptimizer), fsdp (PyTorch's FSDP2 fully_shard on
+    every block and the root, plain AdamW over the sharded parameters), or none."""
+    reshard_after_forward: bool = setting(True, group="parallelism")
+    """--sharding fsdp: free each block's gathered parameters after its forward and gather
+    them again for backward (FSDP2's default); off keeps them to the end of backward (one
+    all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
     device: str = setting("auto", group="parallelism")
     """auto, cpu or cuda."""
     timeout: float = setting(300.0, check="finite>0", group="parallelism", metavar="SECONDS")
@@ -151,10 +164,15 @@ class TrainSettings:
         if world_size is None:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
         self.nproc = world_size
-        if self.ddp is None:
-            self.ddp = "bucketed" if world_size > 1 else "none"
         if self.sharding is None:
-            self.sharding = "zero1" if world_size > 1 else "none"
+            if world_size == 1:
+                self.sharding = "none"
+            else:  # --ddp X alone keeps the DDP-wrapper pairing
+                self.sharding = ("zero1-allreduce" if self.ddp not in (None, "none")
+                                 else "zero1")
+        if self.ddp is None:
+            self.ddp = ("bucketed" if world_size > 1 and self.sharding not in SELF_REDUCING
+                        else "none")
         return self
 
     def validate(self, world_size: int) -> TrainSettings:
@@ -166,10 +184,19 @@ class TrainSettings:
         check_fields(self, flag)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
-        if self.ddp == "none" and world_size > 1:
+        if self.sharding in SELF_REDUCING and self.ddp != "none":
+            raise ValueError(f"--sharding {self.sharding} averages gradients itself, without "
+                             f"a DDP wrapper: drop --ddp {self.ddp} (--sharding "
+                             "zero1-allreduce pairs a --ddp wrapper with zero1)")
+        if self.sharding in SELF_REDUCING and self.precision == "fp16":
+            raise ValueError(f"--precision fp16 needs a gradient scaler that reads every "
+                             f"averaged gradient, which --sharding {self.sharding} does not "
+                             "leave on the model: use bf16")
+        if self.sharding in ("zero1-allreduce", "torch") and self.ddp == "none" \
+                and world_size > 1:
+            raise ValueError(f"--sharding {self.sharding} needs a --ddp variant")
+        if self.ddp == "none" and world_size > 1 and self.sharding not in SELF_REDUCING:
             raise ValueError(f"--ddp none cannot average gradients over {world_size} ranks")
-        if self.sharding == "torch" and self.ddp in ("none",) and world_size > 1:
-            raise ValueError("--sharding torch needs a --ddp variant")
         if self.vocab_size is not None and self.vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the model's {self.model.vocab_size}"

@@ -2,10 +2,14 @@
 
 Per step: the learning rate from the schedule; this rank's micro-batches of the global
 batch; forward and backward under autocast, inside ``no_sync`` for all micro-batches but
-the last; gradient averaging; clipping of the averaged gradients (every rank holds all
-of them, so a plain global norm is right even with a sharded optimizer); the optimizer
-step. Each rank's loss is the mean over its equal slice, and the averaging across ranks
-then gives the mean over the global batch: the same as one process on the whole batch.
+the last; gradient averaging; clipping by the global norm of the averaged gradients; the
+optimizer step. What wraps the model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up
+by :func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
+``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
+zero1, zero2 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
+from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
+equal slice, and the averaging across ranks then gives the mean over the global batch: the
+same as one process on the whole batch.
 
 Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
 fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
@@ -46,13 +50,7 @@ from lab2_trainer.mfu import (
     training_flops_per_token,
 )
 from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import (
-    GradSync,
-    build_optimizer,
-    full_optimizer_state,
-    fused_adamw_available,
-    load_full_optimizer_state,
-)
+from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.schedule import WarmupCosine, set_lr
@@ -136,17 +134,20 @@ class Trainer:
             except RuntimeError as exc:
                 reason = str(exc).splitlines()[0]
                 raise UsageError(f"checkpoint model does not fit: {reason}") from None
-        forward_module = self.model
-        if s.compile:
-            forward_module = torch.compile(self.model, backend=s.compile_backend,
-                                           mode=s.compile_mode)
-        self.sync = GradSync(self.model, forward_module, s.ddp, s.bucket_mb, ctx.device,
-                             bucket_rule=s.bucket_rule)
-        # Evaluation and sampling skip the DDP wrapper: no gradients, nothing to average.
-        self.eval_module = forward_module
-        self.optimizer = build_optimizer(self.model, s.sharding, lr=s.lr, betas=(s.beta1, s.beta2),
-                                         weight_decay=s.weight_decay,
-                                         fused=fused_adamw_available(ctx.device))
+        # Before any sharding: FSDP2 replaces the parameters by their shards.
+        self.flops_per_token = training_flops_per_token(s.model, matmul_parameters(self.model))
+        compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode} if s.compile
+                        else None)
+        self.parallel = parallelize(
+            self.model, sharding=s.sharding, ddp=s.ddp, device=ctx.device, lr=s.lr,
+            betas=(s.beta1, s.beta2), weight_decay=s.weight_decay,
+            fused=fused_adamw_available(ctx.device), compile=compile_spec,
+            bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
+            reshard_after_forward=s.reshard_after_forward)
+        self.sync = self.parallel.sync
+        # Evaluation skips the DDP wrapper: no gradients, nothing to average.
+        self.eval_module = self.parallel.eval_module
+        self.optimizer = self.parallel.optimizer
         self.schedule = WarmupCosine(s.lr, s.min_lr, s.warmup, s.steps)
         T = s.model.context_length
         self.sampler = BatchSampler(self.corpus.train, T, s.batch_size, s.seed)
@@ -160,12 +161,11 @@ class Trainer:
         # After the restore, so it starts from the checkpoint's position in the stream.
         self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
                                   ctx.device)
-        self.flops_per_token = training_flops_per_token(s.model, matmul_parameters(self.model))
         self.peak = device_peak(ctx.device)
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         try:
-            load_full_optimizer_state(self.optimizer, ckpt["optimizer"])
+            self.parallel.load_full_optimizer_state(ckpt["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
             raise UsageError(f"checkpoint optimizer state does not fit: {exc}") from None
         self.sampler.load_state_dict(ckpt["sampler"])
@@ -173,20 +173,22 @@ class Trainer:
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         try:
-            self.sync.set_gradient_order(ckpt.get("gradient_order"))
+            self.parallel.set_gradient_order(ckpt.get("gradient_order"))
         except ValueError as exc:
             raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
         self.step = int(ckpt["step"])
 
     def save_checkpoint(self, path: Path) -> None:
-        """Consolidate the optimizer (collective) and write the checkpoint on rank 0."""
-        optimizer_state = full_optimizer_state(self.optimizer, self.ctx.rank)
+        """Gather the whole model and optimizer state (collectives) and write the
+        checkpoint on rank 0, in the same format whatever the sharding."""
+        model_state = self.parallel.full_model_state(self.ctx.rank)
+        optimizer_state = self.parallel.full_optimizer_state(self.ctx.rank)
         if self.ctx.is_main:
             save_atomic({
                 "format": FORMAT,
                 "version": VERSION,
                 "model_config": self.s.model.to_dict(),
-                "model": self.model.state_dict(),
+                "model": model_state,
                 "optimizer": optimizer_state,
                 "schedule": self.schedule.state_dict(),
                 "step": self.step,
@@ -197,8 +199,9 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "world_size": self.ctx.world_size,
                 # minddp's learned launch order: a resumed run at this world size then
-                # sums every gradient in the same order, bit for bit (None: not learned).
-                "gradient_order": self.sync.gradient_order,
+                # sums every gradient in the same order, bit for bit (None: not learned,
+                # as with zero1/zero2, whose buckets follow the parameter order).
+                "gradient_order": self.parallel.gradient_order,
             }, path)
         self.ctx.barrier()
 
@@ -212,21 +215,19 @@ class Trainer:
         loss_sum = torch.zeros((), device=ctx.device)
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with (contextlib.nullcontext() if last else self.sync.no_sync()):
+            with (contextlib.nullcontext() if last else self.parallel.no_sync()):
                 with autocast_context(s.precision, ctx.device):
-                    _, loss = self.sync(x, y)
+                    _, loss = self.parallel(x, y)
                 scaled = loss / s.grad_accum
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 with backward_thread(s.backward_thread):
                     scaled.backward()
             loss_sum += loss.detach()
-        self.sync.finish()
+        self.parallel.finish()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = s.clip if s.clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.parallel.clip_grad_norm_(s.clip if s.clip > 0 else math.inf)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -317,6 +318,8 @@ class Trainer:
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
         }
+        # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
+        sample_model = self.sampling_model() if s.sample_tokens else None
         if reporter is not None:
             summary.update(provenance())
             outputs = {"metrics": str(out / "metrics.jsonl"), "checkpoint": str(ckpt_path)}
@@ -324,7 +327,7 @@ class Trainer:
             if plot is not None:
                 outputs["loss curve"] = str(plot)
             if s.sample_tokens:
-                text = self.sample(s.sample_tokens)
+                text = self.sample(s.sample_tokens, sample_model)
                 atomic_write_text(out / SAMPLE_NAME, text)
                 outputs["sample"] = str(out / SAMPLE_NAME)
                 if not s.quiet:
@@ -390,8 +393,14 @@ class Trainer:
                "flat": "minddp.all_reduce_gradients(flat)", "naive": "minddp.all_reduce_gradients",
                "torch": "torch DistributedDataParallel", "none": "no DDP"}[s.ddp]
         adamw = "AdamW(fused)" if fused_adamw_available(ctx.device) else "AdamW"
-        opt = {"none": adamw, "zero1": f"zero1.ShardedOptimizer({adamw})",
-               "torch": f"ZeroRedundancyOptimizer({adamw})"}[s.sharding]
+        buckets = f"{s.bucket_mb:g} MB buckets"
+        opt = {"none": adamw,
+               "zero1": f"zero1.ShardedOptimizer(stage 1, reduce-scatter, {buckets}, {adamw})",
+               "zero2": f"zero1.ShardedOptimizer(stage 2, reduce-scatter, {buckets}, {adamw})",
+               "zero1-allreduce": f"zero1.ShardedOptimizer(stage 1, broadcast, {adamw})",
+               "torch": f"ZeroRedundancyOptimizer({adamw})",
+               "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
+                       f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
         return (f"{ctx.world_size} rank(s), {backend}, {ctx.device.type}, {ddp}, {opt}, "
                 f"norm={s.model.norm}, {s.precision}{self._compile_label()}")
@@ -424,8 +433,23 @@ class Trainer:
             + (f" (resumed at step {self.step})" if self.step else "")
         )
 
-    def sample(self, n_tokens: int) -> str:
-        """Generate ``n_tokens`` after a fixed prompt, deterministically from the seed."""
+    def sampling_model(self) -> TransformerLM | None:
+        """The model to sample from on rank 0: the trained one itself, or with fsdp (whose
+        parameters are shards) an unsharded copy built from the gathered state dict. A
+        collective with fsdp; None on the other ranks there."""
+        if self.parallel.sharding != "fsdp":
+            return self.model
+        state = self.parallel.full_model_state(self.ctx.rank)
+        if state is None:
+            return None
+        model = TransformerLM(self.s.model, seed=self.s.seed, device=self.ctx.device)
+        model.load_state_dict(state)
+        return model
+
+    def sample(self, n_tokens: int, model: TransformerLM | None = None) -> str:
+        """Generate ``n_tokens`` after a fixed prompt, deterministically from the seed,
+        with ``model`` (default: :meth:`sampling_model`'s)."""
+        model = model if model is not None else self.sampling_model()
         gen = torch.Generator(device=self.ctx.device)
         gen.manual_seed(self.s.seed)
         if self.corpus.is_bytes:
@@ -433,7 +457,7 @@ class Trainer:
         else:
             prompt = torch.tensor([[int(self.corpus.val[0])]], device=self.ctx.device)
         with autocast_context(self.s.precision, self.ctx.device):
-            ids = self.model.generate(prompt, n_tokens, temperature=0.8, top_k=40, generator=gen)
+            ids = model.generate(prompt, n_tokens, temperature=0.8, top_k=40, generator=gen)
         ids = ids[0].tolist()
         if self.corpus.is_bytes:
             return bytes_as_text(bytes(ids))

@@ -90,10 +90,31 @@ def _fmt(n: float) -> str:
     return f"{n / GIB:,.1f} GiB" if n < 1024 * GIB else f"{n / 1024 / GIB:,.1f} TiB"
 
 
+def training_state_bytes(n: int, sharding: str, world_size: int,
+                         reshard_after_forward: bool = True) -> int:
+    """Bytes per rank of fp32 weights (4), gradients (4) and AdamW's two moments (8) of
+    ``n`` parameters, by sharding kind (a lower bound: no bucket or gathered block):
+
+    * none: 4 + 4 + 8 per parameter;
+    * zero1, zero1-allreduce, torch (state sharded): 4 + 4 + 8/N;
+    * zero2 (gradients sharded too): 4 + (4 + 8)/N;
+    * fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the whole
+      gathered weights (4) through the backward besides.
+    """
+    shards = max(1, world_size)
+    if sharding == "none":
+        return 16 * n
+    if sharding == "zero2":
+        return 4 * n + 12 * n // shards
+    if sharding == "fsdp":
+        return 16 * n // shards + (0 if reshard_after_forward else 4 * n)
+    return 8 * n + 8 * n // shards  # zero1, zero1-allreduce, torch
+
+
 def check_memory(settings: Any, world_size: int, device_type: str, *,
                  available: int | None = None) -> None:
     """Refuse a run whose model cannot fit: weights, gradients and AdamW's two moments in
-    fp32 (the moments sharded over the ranks with zero1 or torch sharding), the logits and
+    fp32 (sharded over the ranks as :func:`training_state_bytes` says), the logits and
     their gradient for one micro-batch, and the process itself. On the CPU every local
     rank shares this machine's memory; on GPUs each rank needs it on its own device.
 
@@ -101,12 +122,12 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
         UsageError: with the estimate and what is available.
     """
     n = sum(p.numel() for p in shape_model(settings.model).parameters())
-    shards = world_size if settings.sharding in ("zero1", "torch") else 1
     micro = max(1, settings.batch_size // max(1, world_size) // max(1, settings.grad_accum))
     logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size
-    per_rank = 8 * n + 8 * n // shards + logits
-    what = (f"{n:,} parameters: weights, gradients and AdamW state in fp32, and the logits of "
-            f"a micro-batch")
+    per_rank = training_state_bytes(n, settings.sharding, world_size,
+                                    getattr(settings, "reshard_after_forward", True)) + logits
+    what = (f"{n:,} parameters: weights, gradients and AdamW state in fp32 (sharded as "
+            f"--sharding {settings.sharding} shards them), and the logits of a micro-batch")
     hint = "make it smaller (--vocab-size, --d-model, --n-layers, --batch-size)"
     if device_type == "cuda":
         try:
