@@ -46,7 +46,7 @@ from lab2bench.suites import SuiteOutput
 
 #: Each stack's gradient averaging and optimizer sharding, as the trainer's ``--ddp`` and
 #: ``--sharding`` name them.
-STACKS = {"ours": ("bucketed", "zero1"), "pytorch": ("torch", "torch")}
+STACKS = {"ours": ("bucketed", "zero1-allreduce"), "pytorch": ("torch", "torch")}
 KINDS = tuple(STACKS)
 COLUMNS = ["preset", "variant", "norm", "world_size", "precision", "compiled", "step_ms",
            "step_std_ms", "tokens_per_s", "mfu", "ratio_to_pytorch"]

@@ -44,7 +44,7 @@ from lab2bench.suites import SuiteOutput
 
 MIB = 2**20
 #: Each variant's optimizer sharding, as the trainer's ``--sharding`` names it.
-SHARDING = {"adamw": "none", "sharded": "zero1", "torch_zero": "torch"}
+SHARDING = {"adamw": "none", "sharded": "zero1-allreduce", "torch_zero": "torch"}
 COLUMNS = ["preset", "variant", "optim_state_MiB", "state_vs_total_over_n", "param_MiB",
            "grad_MiB", "setup_peak_MiB", "before_step_peak_MiB", "after_step_peak_MiB",
            "step_ms", "step_std_ms", "optimizer_ms", "ratio_to_torch_zero"]
