@@ -323,37 +323,32 @@ def _checkpoint_rank(rank: int, world: int, stage: int, resume: dict | None) -> 
     return {"saved": saved, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def _resumed_plain(saved: dict, world: int) -> nn.Module:
+    """A plain AdamW in one process resumed from ``saved``, trained on steps 3-4 with the
+    loss of ``world`` ranks."""
+    model = Net()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(_groups(model), **_optimizer_cls("adamw")[1])
+    opt.load_state_dict(saved["optim"])
+    for step in range(3, 5):
+        x, y = _batch(step)
+        (sum(_slice_loss(model, x, y, r, world, step) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_checkpoints_move_between_world_sizes_and_to_a_plain_optimizer(world_size, stage):
     first = run_ranks(_checkpoint_rank, world_size, stage, None, timeout=120, pg_timeout=60)
     saved = first[0]["saved"]
     # The format is AdamW's own: a plain AdamW loads it and carries on identically.
-    plain_model = Net()
-    plain_model.load_state_dict(saved["model"])
-    plain = torch.optim.AdamW(_groups(plain_model), **_optimizer_cls("adamw")[1])
-    plain.load_state_dict(saved["optim"])
-    for step in range(3, 5):
-        x, y = _batch(step)
-        loss = sum(_slice_loss(plain_model, x, y, r, world_size, step)
-                   for r in range(world_size)) / world_size
-        loss.backward()
-        plain.step()
-        plain.zero_grad()
-    for p, q in zip(first[0]["params"], plain_model.parameters()):
+    for p, q in zip(first[0]["params"], _resumed_plain(saved, world_size).parameters()):
         assert ((p - q).norm() / q.norm()).item() < TOL[torch.float64]
     # Resumed at another world size (2 ranks from 1, 1 from more), it trains on the same.
     other = 2 if world_size == 1 else 1
     resumed = run_ranks(_checkpoint_rank, other, stage, saved, timeout=120, pg_timeout=60)
-    ref = Net()
-    ref.load_state_dict(saved["model"])
-    ref_opt = torch.optim.AdamW(_groups(ref), **_optimizer_cls("adamw")[1])
-    ref_opt.load_state_dict(saved["optim"])
-    for step in range(3, 5):
-        x, y = _batch(step)
-        (sum(_slice_loss(ref, x, y, r, other, step) for r in range(other)) / other).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    for p, q in zip(resumed[0]["params"], ref.parameters()):
+    for p, q in zip(resumed[0]["params"], _resumed_plain(saved, other).parameters()):
         assert ((p - q).norm() / q.norm()).item() < TOL[torch.float64]
 
 

@@ -255,11 +255,6 @@ class ShardedBuckets:
 
             self._hooks.append(self.params[index].register_post_accumulate_grad_hook(hook))
 
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
     def _reset_step(self) -> None:
         self._used = [False] * len(self.params)  # got a gradient in any backward this step
         self._rounds = 0  # synchronized backwards this step
