@@ -19,7 +19,7 @@ from minddp.individual import DDPIndividualParameters
 from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
 from minddp.stats import SyncStats
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 __all__ = [
     "BUCKET_RULES",

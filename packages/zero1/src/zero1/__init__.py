@@ -4,7 +4,7 @@ from .accounting import optimizer_state_bytes, optimizer_state_numel
 from .partition import partition_parameters
 from .sharded_optimizer import ShardedOptimizer
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "ShardedOptimizer",
