@@ -313,7 +313,8 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
     and ``all_gather_single``, FSDP2's, where this torch has them), and
     ``ProcessGroup.allreduce`` called directly (as minddp does to skip the wrapper's
     checks), each once. Collectives that PyTorch issues from C++
-    (``DistributedDataParallel``'s reducer) are not seen, nor the small object collectives (``all_gather_object``, ``gather_object``).
+    (``DistributedDataParallel``'s reducer) are not seen, nor the small object collectives
+    (``all_gather_object``, ``gather_object``).
     """
 
     def __init__(self) -> None:
