@@ -100,6 +100,11 @@ def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device
         reduce_dtype: the dtype gradients travel in (``GradSync``'s).
         bucket_rule: how ``bucket_mb`` cuts "bucketed"'s buckets (``GradSync``'s).
     """
+    from lab2_trainer.settings import SELF_REDUCING
+
+    if sharding in SELF_REDUCING:
+        raise ValueError(f"sharding {sharding!r} averages gradients itself: build it with "
+                         "make_sharded_variant")
     sync = GradSync(model, model if forward is None else forward, ddp, bucket_mb, device,
                     reduce_dtype=reduce_dtype, bucket_rule=bucket_rule)
     return Variant(model, sync, make_optimizer(model, sharding))
