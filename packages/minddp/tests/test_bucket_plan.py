@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minddp import BUCKET_RULES, TensorInfo, assign_buckets
-from minddp.bucket_plan import validate_bucket_size_mb
+from minddp import BUCKET_RULES, TensorInfo, assign_buckets, validate_bucket_size_mb
 
 MIB = 2**20
 
