@@ -52,13 +52,15 @@ import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from minddp import TensorInfo, assign_buckets, copy_all, zero_all
 
-from .process_group import GroupInfo
+if TYPE_CHECKING:
+    from .sharded_optimizer import GroupInfo
 
 #: How a bucket is reduce-scattered and all-gathered. "tensor": one
 #: ``reduce_scatter_tensor`` and one ``all_gather_into_tensor`` per bucket (NCCL's fast
