@@ -38,6 +38,7 @@ _HOMES = {
     "ModelMismatchError": "model_check",
     "SyncStats": "overlap",
     "TensorInfo": "bucketed",
+    "adopt_gradients": "bucketed",
     "all_reduce_gradients": "allreduce",
     "assign_buckets": "bucketed",
     "broadcast_module": "comm",
@@ -57,6 +58,7 @@ __all__ = [
     "ModelMismatchError",
     "SyncStats",
     "TensorInfo",
+    "adopt_gradients",
     "all_reduce_gradients",
     "assign_buckets",
     "broadcast_module",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:
     from minddp.bucketed import (
         DDPBucketed,
         TensorInfo,
+        adopt_gradients,
         assign_buckets,
         validate_bucket_rule,
         validate_bucket_size_mb,

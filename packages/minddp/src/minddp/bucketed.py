@@ -113,6 +113,44 @@ def assign_buckets(
     return closed
 
 
+# ------------------------------------------------------------------ gradients as views
+def adopt_gradients(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+                    whole: torch.Tensor | None = None) -> list[int]:
+    """Make every parameter's ``.grad`` its view (into a bucket), keeping what it holds.
+
+    A gradient autograd created fresh (``.grad`` was None before backward) or one the
+    user assigned is copied into the view, all of them in one call; a view autograd
+    accumulated into in place stays. A parameter without a gradient gets zeros: with
+    one fill of ``whole`` (a tensor covering every view) when none of them has one.
+
+    Returns:
+        The positions in ``params`` of the parameters that had no gradient.
+    """
+    stale: list[torch.Tensor] = []
+    fresh: list[torch.Tensor] = []
+    empty: list[torch.Tensor] = []
+    missing: list[int] = []
+    for j, (p, view) in enumerate(zip(params, views)):
+        grad = p.grad
+        if grad is view:
+            continue
+        if grad is None:
+            empty.append(view)
+            missing.append(j)
+        else:
+            stale.append(view)
+            fresh.append(grad)
+        p.grad = view
+    if fresh:
+        copy_all(stale, fresh)
+    if empty:
+        if whole is not None and len(empty) == len(views):
+            whole.zero_()  # one fill for the bucket
+        else:
+            zero_all(empty)
+    return missing
+
+
 # ------------------------------------------------------------------ the wrapper
 @dataclass
 class _Bucket:
@@ -302,35 +340,11 @@ class DDPBucketed(DataParallelWrapper):
             )
 
     def _adopt_gradients(self, step: StepState, bucket: _Bucket) -> None:
-        """Make every member's ``.grad`` its bucket view, keeping what it holds.
-
-        A gradient autograd created fresh (``.grad`` was None before backward) or one
-        the user assigned is copied into the view, all of the bucket's in one call; a
-        view autograd accumulated into in place stays. A member without a gradient
-        gets zeros.
-        """
-        stale: list[torch.Tensor] = []
-        fresh: list[torch.Tensor] = []
-        missing: list[torch.Tensor] = []
+        """Make every member's ``.grad`` its bucket view, keeping what it holds
+        (:func:`adopt_gradients`); note the members that had none."""
         zero_filled = step.zero_filled
-        for index, p, view in zip(bucket.members, bucket.params, bucket.views):
-            grad = p.grad
-            if grad is view:
-                continue
-            if grad is None:
-                missing.append(view)
-                zero_filled[index] = True
-            else:
-                stale.append(view)
-                fresh.append(grad)
-            p.grad = view
-        if fresh:
-            copy_all(stale, fresh)
-        if missing:
-            if len(missing) == len(bucket.members):
-                bucket.grads.zero_()  # one fill for the bucket
-            else:
-                zero_all(missing)
+        for j in adopt_gradients(bucket.params, bucket.views, bucket.grads):
+            zero_filled[bucket.members[j]] = True
 
     def _launch(self, step: StepState, b: int, unused: list[int] | None = None) -> None:
         """Start bucket ``b``'s averaging; its members' ``.grad`` are its views already.
