@@ -61,7 +61,6 @@ def global_rank_of(process_group: dist.ProcessGroup | None, rank_in_group: int) 
 # * In a group of one the average is the tensor itself: nothing is launched. NCCL would
 #   still run a one-rank reduce kernel per call (4% of an xl training step on one H200,
 #   146 launches per step with 25 MB buckets).
-
 class _Done:
     """The handle of an average that needed no collective (a group of one)."""
 
@@ -142,7 +141,6 @@ def zero_all(tensors: list[torch.Tensor]) -> None:
 
 # ------------------------------------------------------------------ flat packing
 # Pack several tensors into one contiguous buffer and back.
-
 def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate same-dtype, same-device tensors into one new 1-D tensor."""
     return torch.cat([t.reshape(-1) for t in tensors])

@@ -22,9 +22,9 @@ from torch import nn
 from minddp.comm import Averager, broadcast_module, global_rank_of, group_size, require_initialized
 from minddp.model_check import check_model_consistency
 
+
 # ------------------------------------------------------------------ per-step state
 # Timing counters a wrapper fills in on every ``finish_gradient_synchronization``.
-
 @dataclass
 class SyncStats:
     """What the last ``finish_gradient_synchronization`` call cost.
@@ -52,7 +52,6 @@ class SyncStats:
 # ``nn.Module.__setattr__`` (checks for parameters, submodules and buffers: about 1 µs
 # each, measured with cProfile). Gradient hooks update this state once per parameter per
 # backward, so it lives here, where an assignment is a slot store.
-
 class StepState:
     """What hooks and the finish call update during one synchronized step.
 
@@ -97,7 +96,6 @@ class StepState:
 # whose last-registered parameter is unused) still overlaps communication from the
 # second step on. Rank 0's observation is broadcast, so every rank adopts the same
 # order even when their backward passes differed.
-
 def agree_on_order(
     observed: list[int], count: int, process_group: dist.ProcessGroup | None
 ) -> list[int]:
