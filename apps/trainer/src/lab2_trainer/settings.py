@@ -119,7 +119,7 @@ class TrainSettings:
     all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
     device: str = setting("auto", group="parallelism")
     """auto, cpu or cuda."""
-    timeout: float = setting(300.0, check="finite>0", group="parallelism", metavar="SECONDS")
+    timeout: float = setting(300.0, check="seconds", group="parallelism", metavar="SECONDS")
     """How long a collective waits for the other ranks, and how long a rank may go silent,
     before the run fails naming it."""
     out: str = setting("runs/latest", group="outputs", default_text="runs/<preset>-<time>")
@@ -264,7 +264,10 @@ def _typed(owner: str, f: dataclasses.Field, value: Any) -> Any:
     kind = str(f.type).split(" |")[0]
     label = f"{owner}{f.name}"
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # TOML integers are unbounded here
+            raise ValueError(f"{label} must be a finite number, got {value!r}") from None
     want = {"int": int, "float": float, "str": str, "bool": bool}.get(kind)
     if want is not None and (not isinstance(value, want)
                              or (want is int and isinstance(value, bool))):
@@ -298,14 +301,17 @@ def from_toml(text: str, source: str = "settings") -> tuple[dict[str, Any], dict
     train: dict[str, Any] = {}
     for key, value in data.items():
         if key == "preset":
+            if not isinstance(value, str):
+                raise ValueError(f"{source}: preset must be a string (a preset's name), got "
+                                 f"{value!r}")
             train[key] = value
         elif key in train_fields:
-            train[key] = _typed("", train_fields[key], value)
+            train[key] = _typed(f"{source}: ", train_fields[key], value)
         else:
             raise ValueError(f"{source}: unknown setting {key!r}")
     fields: dict[str, Any] = {}
     for key, value in model.items():
         if key not in model_fields:
             raise ValueError(f"{source}: unknown model setting {key!r}")
-        fields[key] = _typed("model.", model_fields[key], value)
+        fields[key] = _typed(f"{source}: model.", model_fields[key], value)
     return train, fields
