@@ -237,12 +237,10 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     if ckpt is not None:
         check_checkpoint_fits(ckpt, settings, path)
         if settings.steps <= ckpt["step"]:
-            given_steps = "steps" in explicit
-            raise UsageError(
-                f"checkpoint {path} is at step {ckpt['step']}"
-                + (f", and --steps {settings.steps} is not beyond it"
-                   if given_steps else f" of its {settings.steps}: the run is finished")
-                + f": nothing to train (pass --steps N with N > {ckpt['step']} to extend it)")
+            where = (f"--steps {settings.steps} is not beyond it" if "steps" in explicit
+                     else f"the end of its run (steps = {settings.steps})")
+            raise UsageError(f"checkpoint {path} is at step {ckpt['step']}, {where}: nothing "
+                             f"to train (pass --steps N with N > {ckpt['step']} to extend it)")
     return settings, corpus
 
 
