@@ -31,11 +31,6 @@ BACKWARD_THREADS = ("caller", "autograd")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
-# Settings that define the training trajectory: a resumed run keeps the checkpoint's
-# values unless the command line names them again.
-TRAJECTORY_FIELDS = ("data", "vocab_size", "steps", "batch_size", "grad_accum", "lr", "min_lr",
-                     "warmup", "weight_decay", "beta1", "beta2", "clip", "seed", "precision")
-
 
 def flag(name: str) -> str:
     """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
