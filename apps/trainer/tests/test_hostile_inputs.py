@@ -347,15 +347,18 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
     (Two ranks: run once, in the world-size-2 cell of the Gloo matrix.)"""
     if world_size != 2:
         pytest.skip("the scenario is two ranks")
-    from lab2bench.ranks import OWNER_NAME, _owner_record
+    import socket
+
+    from lab2bench.ranks import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale, live = tmp_path / "lab2-train-rdzv-stale", tmp_path / "lab2-train-rdzv-live"
     for folder, pid in ((stale, dead.pid), (live, os.getpid())):
         folder.mkdir()
-        owner = json.loads(_owner_record())
-        (folder / OWNER_NAME).write_text(json.dumps({**owner, "pid": pid}))
+        (folder / OWNER_NAME).write_text(json.dumps({
+            "kind": "lab2bench.ranks.RankGroup rendezvous", "pid": pid,
+            "host": socket.gethostname()}))
     out = tmp_path / "run"
     launcher = subprocess.Popen(
         [*CMD, *B, "--data", str(corpus_dir), "--nproc", "2", "--steps", "100000", "--out",
