@@ -295,6 +295,26 @@ def test_10_a_resume_keeps_every_setting_of_its_run(finished, tmp_path):
     assert (run2 / "settings.toml").read_text() == before
 
 
+def test_10_the_rank_layout_is_kept_or_resolved_afresh_as_a_whole():
+    from lab2_trainer.cli import resumed_settings
+    from lab2_trainer.settings import TrainSettings
+
+    saved = TrainSettings(nproc=2, ddp="bucketed", sharding="zero1-allreduce", eval_every=7,
+                          device_type="cpu")
+    kept = resumed_settings(saved, {}, "cpu", None)
+    assert (kept["nproc"], kept["ddp"], kept["sharding"], kept["eval_every"]) == (
+        2, "bucketed", "zero1-allreduce", 7)
+    for explicit, device, world in (({"nproc": 1}, "cpu", None), ({}, "cuda", None),
+                                    ({}, "cpu", 4), ({"sharding": "zero2"}, "cpu", None)):
+        fresh = resumed_settings(saved, explicit, device, world)
+        assert {k: fresh[k] for k in ("nproc", "ddp", "sharding")} == {
+            "nproc": None, "ddp": None, "sharding": None, **explicit}
+        assert fresh["eval_every"] == 7
+    # 0.4's zero1 behind a DDP wrapper is today's zero1-allreduce.
+    old = TrainSettings(nproc=2, ddp="bucketed", sharding="zero1", device_type="cpu")
+    assert resumed_settings(old, {}, "cpu", None)["sharding"] == "zero1-allreduce"
+
+
 # ------------------------------------------------------------- 11. a resume to nowhere
 def test_11_a_resume_not_beyond_the_checkpoint_is_refused(capsys, monkeypatch, finished,
                                                           tmp_path):

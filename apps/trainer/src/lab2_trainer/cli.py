@@ -285,6 +285,10 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
                   or (torchrun_world is not None and torchrun_world != saved.nproc))
     if new_layout:
         keep.update({n: None for n in LAYOUT_FIELDS})
+    elif keep["sharding"] == "zero1" and keep["ddp"] not in (None, "none"):
+        # A checkpoint of 0.4, where zero1 behind a DDP wrapper was the pairing that is
+        # now called zero1-allreduce: continue it as it ran.
+        keep["sharding"] = "zero1-allreduce"
     keep.update(explicit)
     return keep
 
