@@ -122,7 +122,7 @@ class TrainSettings:
     resume: str | None = setting(None, group="outputs", nargs="?", const="", metavar="PATH",
                                  default_text="no")
     """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
-    runs/)."""
+    runs/), with every setting of its run unless a flag gives it."""
     ckpt_every: int = setting(0, check="int>=0", group="outputs", default_text="at the end")
     """Checkpoint every N steps."""
     eval_every: int = setting(50, check="int>=0", group="outputs")
