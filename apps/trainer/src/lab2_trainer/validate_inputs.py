@@ -146,8 +146,11 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def _fmt(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB" if n < 1024 * GIB else f"{n / 1024 / GIB:,.1f} TiB"
+def _fmt(n: int) -> str:
+    if n < 1024 * GIB:
+        return f"{n / GIB:,.1f} GiB"
+    tib = n / (1024 * GIB)
+    return f"{tib:,.1f} TiB" if tib < 1e6 else f"{tib:.2g} TiB"  # absurd sizes stay short
 
 
 def training_state_bytes(n: int, sharding: str, world_size: int,
