@@ -19,6 +19,7 @@ it loads with ``weights_only=True``):
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,16 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """
     p = resolve_checkpoint_path(path)
     try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns about what it is about to refuse (a plain pickle's protocol):
+            # the one line below says it.
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way inside torch)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if reason.startswith("Weights only load failed"):  # a pickle of other objects
+            reason = ("it holds Python objects beyond tensors and plain values, which a "
+                      "checkpoint never does (not a lab2-trainer checkpoint)")
         raise UsageError(f"cannot read checkpoint {p}: {reason}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UsageError(f"{p} is not a lab2-trainer checkpoint")

@@ -44,11 +44,20 @@ def _default_text(cls: type, f) -> str:
     return str(f.default)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a bad command line is one line naming the flag (a
+    :class:`UsageError`), not the usage text: ``--help`` prints that."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        text = " ".join(message.split())
+        raise UsageError(f"{text} (lab2-train --help lists the options)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line, one flag per setting field (its type, choices and doc); every
     default is None so that a given value can be told apart from the file's or the
-    field's default."""
-    p = argparse.ArgumentParser(
+    field's default. A bad command line raises :class:`UsageError`."""
+    p = _Parser(
         prog="lab2-train",
         description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1. "
         "`lab2-train bench --help` lists the benchmark suites.",
@@ -143,8 +152,12 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     """
     from lab2_trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, resolve_checkpoint_path
     from lab2_trainer.data import check_batch_layout, load_corpus
-    from lab2_trainer.settings import TRAJECTORY_FIELDS
-    from lab2_trainer.validate_inputs import check_checkpoint_fits, check_memory, check_out_path
+    from lab2_trainer.validate_inputs import (
+        check_checkpoint_fits,
+        check_compile,
+        check_memory,
+        check_out_path,
+    )
 
     explicit, model_overrides = dict(given[0]), dict(given[1])
     preset = explicit.pop("preset", None)
@@ -172,8 +185,10 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
                     f"checkpoint {path} is incompatible: its model has {name}="
                     f"{getattr(saved_model, name)!r}, the command line asks for {value!r}"
                 )
-        keep = {n: getattr(saved, n) for n in TRAJECTORY_FIELDS}
-        keep.update({n: v for n, v in explicit.items()})
+        refuse_math_changes(saved, explicit, path)
+        if "device" not in explicit and saved.device != "auto":
+            device_type = _device_type(saved.device)
+        keep = resumed_settings(saved, explicit, device_type, torchrun_world)
         settings = TrainSettings(model=saved_model, **keep)
         settings.out = out or str(path.parent)
         settings.resume = str(path)
@@ -205,6 +220,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         raise UsageError(str(exc)) from None
     check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
+    if settings.compile:
+        check_compile(settings.compile_backend, settings.compile_mode)
     check_batch_layout(settings.batch_size, world_size, settings.grad_accum)
     corpus = load_corpus(settings.data, settings.vocab_size)
     if corpus.vocab_size != settings.model.vocab_size:
@@ -219,7 +236,67 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         raise UsageError(f"checkpoint was trained on {ckpt['data']}, not on {corpus.identity()}")
     if ckpt is not None:
         check_checkpoint_fits(ckpt, settings, path)
+        if settings.steps <= ckpt["step"]:
+            where = (f"--steps {settings.steps} is not beyond it" if "steps" in explicit
+                     else f"the end of its run (steps = {settings.steps})")
+            raise UsageError(f"checkpoint {path} is at step {ckpt['step']}, {where}: nothing "
+                             f"to train (pass --steps N with N > {ckpt['step']} to extend it)")
     return settings, corpus
+
+
+#: What a resumed run may not change: AdamW's state carries these (a flag would be
+#: overridden by the checkpoint's optimizer state while settings.toml said otherwise).
+FIXED_ON_RESUME = ("beta1", "beta2", "weight_decay")
+#: How the ranks are laid out: kept together from the checkpoint, or (any of them given, or
+#: another device type or torchrun's world) resolved afresh for the new layout.
+LAYOUT_FIELDS = ("nproc", "ddp", "sharding")
+#: Never taken from the checkpoint: where the run goes and what it resumes are this
+#: command's; the device type is resolved here.
+NOT_RESUMED = ("model", "out", "resume", "device_type")
+
+
+def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Path) -> None:
+    """Refuse a resume whose flags would change what the checkpoint's optimizer state fixes.
+
+    Raises:
+        UsageError: a flag of :data:`FIXED_ON_RESUME` with another value than the run's.
+    """
+    from lab2_trainer.settings import flag
+
+    for name in FIXED_ON_RESUME:
+        if name in explicit and explicit[name] != getattr(saved, name):
+            raise UsageError(f"checkpoint {path} was trained with {flag(name)} "
+                             f"{getattr(saved, name)!r}, which its optimizer state keeps: a "
+                             f"resumed run cannot change it to {explicit[name]!r} (drop "
+                             f"{flag(name)})")
+
+
+def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type: str,
+                     torchrun_world: int | None) -> dict[str, Any]:
+    """The settings of a resumed run: every one of the checkpoint's, except those given.
+
+    The rank layout (:data:`LAYOUT_FIELDS`) is kept as a whole, or resolved afresh for the
+    new one when any of it is given, the device type differs, or torchrun starts another
+    number of ranks.
+    """
+    keep = {f.name: getattr(saved, f.name) for f in fields(TrainSettings)
+            if f.name not in NOT_RESUMED}
+    new_layout = (any(n in explicit for n in LAYOUT_FIELDS) or device_type != saved.device_type
+                  or (torchrun_world is not None and torchrun_world != saved.nproc))
+    if new_layout:
+        keep.update({n: None for n in LAYOUT_FIELDS})
+    elif keep["sharding"] == "zero1" and keep["ddp"] not in (None, "none"):
+        # A checkpoint of 0.4, where zero1 behind a DDP wrapper was the pairing that is
+        # now called zero1-allreduce: continue it as it ran.
+        keep["sharding"] = "zero1-allreduce"
+    keep.update(explicit)
+    return keep
+
+
+def _device_type(requested: str) -> str:
+    from lab2_trainer.distributed import resolve_device_type
+
+    return resolve_device_type(requested)
 
 
 def _run_bench(argv: list[str]) -> int:
@@ -242,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        return _error(str(exc))
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
     from lab2_trainer import distributed as D
     from lab2_trainer import supervise
@@ -258,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             torchrun_world = _torchrun_world()
             under_torchrun = torchrun_world is not None
             settings, _ = resolve_settings(given, device_type, torchrun_world)
+            # A resumed run keeps its checkpoint's --device unless one is given.
+            device_type = settings.device_type
             world_size, timeout_s = settings.nproc, settings.timeout
             if not under_torchrun or int(os.environ["RANK"]) == 0:
                 claim = _claim_out(settings)
@@ -295,7 +377,12 @@ def _claim_out(settings):
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
-    from lab2_trainer.run_claim import claim_folder, clean_stale_temporaries, folder_is_claimed
+    from lab2_trainer.run_claim import (
+        LOCK_NAME,
+        claim_folder,
+        clean_stale_temporaries,
+        folder_is_claimed,
+    )
 
     claim = claim_folder(settings.out)
     try:
@@ -312,10 +399,13 @@ def _claim_out(settings):
     except BaseException:
         claim.release()
         raise
-    if claim.took_over:
-        print(f"lab2-train: note: took over {settings.out}, whose claim by pid "
-              f"{claim.took_over.get('pid')} was stale (that process is gone)", file=sys.stderr,
-              flush=True)
+    if claim.took_over is not None:
+        pid = claim.took_over.get("pid")
+        why = (f"whose claim by pid {pid} was stale (that process is gone)"
+               if isinstance(pid, int) and not isinstance(pid, bool) else
+               f"whose claim file could not be read (empty or damaged, {LOCK_NAME}) and "
+               "was not locked by any process")
+        print(f"lab2-train: note: took over {settings.out}, {why}", file=sys.stderr, flush=True)
     if removed:
         print(f"lab2-train: note: removed {len(removed)} temporary file(s) left by interrupted "
               f"writes: {', '.join(removed)}", file=sys.stderr, flush=True)

@@ -26,6 +26,12 @@ from tritonnorm.limits import EPS_RANGE, eps_in_range
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
 FFN_KINDS = ("swiglu", "gelu")
 
+#: The largest integer any setting takes: torch's int64 (sizes, steps, seeds).
+INT_LIMIT = 2**63
+#: The longest wait a setting in seconds takes (``--timeout``): a year, well inside what
+#: ``datetime.timedelta`` and the process group's millisecond timeouts hold.
+MAX_SECONDS = 365 * 86400.0
+
 #: What a field's ``check`` may say, and the sentence a bad value gets.
 CHECKS = {
     "positive_int": "must be a positive integer",
@@ -34,6 +40,7 @@ CHECKS = {
     "seed": "must be in [0, 2**63)",
     "finite": "must be a finite number",
     "finite>0": "must be > 0",
+    "seconds": f"must be > 0 and at most {MAX_SECONDS:,.0f} (a year)",
     "finite>=0": "must be >= 0",
     "[0,1)": "must be in [0, 1)",
     # tritonnorm's own range (tritonnorm.limits imports no torch).
@@ -80,8 +87,10 @@ def check_value(label: str, value: Any, meta: Any) -> None:
             what = "a positive integer" if check == "positive_int" else "an integer"
             raise ValueError(f"{label} must be {what}, got {value!r}")
         low = 0 if check == "int>=0" or check == "seed" else 1
-        if value < low or (check == "seed" and value >= 2**63):
+        if value < low or (check == "seed" and value >= INT_LIMIT):
             raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
+        if value >= INT_LIMIT:  # before any arithmetic: torch sizes and counters are int64
+            raise ValueError(f"{label} must be < 2**63, got {value!r}")
         return
     finite = _is_number(value) and math.isfinite(value)
     if check == "eps":
@@ -90,7 +99,7 @@ def check_value(label: str, value: Any, meta: Any) -> None:
         raise ValueError(f"{label} must be a finite number, got {value!r}")
     else:
         ok = {"finite": True, "finite>0": value > 0, "finite>=0": value >= 0,
-              "[0,1)": 0 <= value < 1}[check]
+              "[0,1)": 0 <= value < 1, "seconds": 0 < value <= MAX_SECONDS}[check]
     if not ok:
         raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
 

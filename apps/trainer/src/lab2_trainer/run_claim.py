@@ -112,6 +112,10 @@ class RunClaim:
     """A claimed output folder; :meth:`release` gives it back (also as a context manager).
 
     Use :func:`claim_folder` to get one.
+
+    Attributes:
+        took_over: None for a fresh claim; for a stale one taken over, what the old claim
+            said (``{}`` when its file was empty or unreadable), for the note on stderr.
     """
 
     def __init__(self, folder: Path, fd: int, took_over: dict[str, Any] | None,

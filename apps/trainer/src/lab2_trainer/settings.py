@@ -30,11 +30,6 @@ BACKWARD_THREADS = ("caller", "autograd")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
-# Settings that define the training trajectory: a resumed run keeps the checkpoint's
-# values unless the command line names them again.
-TRAJECTORY_FIELDS = ("data", "vocab_size", "steps", "batch_size", "grad_accum", "lr", "min_lr",
-                     "warmup", "weight_decay", "beta1", "beta2", "clip", "seed", "precision")
-
 
 def flag(name: str) -> str:
     """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
@@ -118,7 +113,7 @@ class TrainSettings:
     all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
     device: str = setting("auto", group="parallelism")
     """auto, cpu or cuda."""
-    timeout: float = setting(300.0, check="finite>0", group="parallelism", metavar="SECONDS")
+    timeout: float = setting(300.0, check="seconds", group="parallelism", metavar="SECONDS")
     """How long a collective waits for the other ranks, and how long a rank may go silent,
     before the run fails naming it."""
     out: str = setting("runs/latest", group="outputs", default_text="runs/<preset>-<time>")
@@ -126,7 +121,7 @@ class TrainSettings:
     resume: str | None = setting(None, group="outputs", nargs="?", const="", metavar="PATH",
                                  default_text="no")
     """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
-    runs/)."""
+    runs/), with every setting of its run unless a flag gives it."""
     ckpt_every: int = setting(0, check="int>=0", group="outputs", default_text="at the end")
     """Checkpoint every N steps."""
     eval_every: int = setting(50, check="int>=0", group="outputs")
@@ -263,7 +258,10 @@ def _typed(owner: str, f: dataclasses.Field, value: Any) -> Any:
     kind = str(f.type).split(" |")[0]
     label = f"{owner}{f.name}"
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # TOML integers are unbounded here
+            raise ValueError(f"{label} must be a finite number, got {value!r}") from None
     want = {"int": int, "float": float, "str": str, "bool": bool}.get(kind)
     if want is not None and (not isinstance(value, want)
                              or (want is int and isinstance(value, bool))):
@@ -297,14 +295,17 @@ def from_toml(text: str, source: str = "settings") -> tuple[dict[str, Any], dict
     train: dict[str, Any] = {}
     for key, value in data.items():
         if key == "preset":
+            if not isinstance(value, str):
+                raise ValueError(f"{source}: preset must be a string (a preset's name), got "
+                                 f"{value!r}")
             train[key] = value
         elif key in train_fields:
-            train[key] = _typed("", train_fields[key], value)
+            train[key] = _typed(f"{source}: ", train_fields[key], value)
         else:
             raise ValueError(f"{source}: unknown setting {key!r}")
     fields: dict[str, Any] = {}
     for key, value in model.items():
         if key not in model_fields:
             raise ValueError(f"{source}: unknown model setting {key!r}")
-        fields[key] = _typed("model.", model_fields[key], value)
+        fields[key] = _typed(f"{source}: model.", model_fields[key], value)
     return train, fields

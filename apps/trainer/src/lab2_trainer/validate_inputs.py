@@ -7,7 +7,9 @@ starts: so that bad input costs one line on stderr, exit code 2, and no file wri
 * :func:`check_out_path`: ``--out`` is a folder, or can become one;
 * :func:`check_memory`: the model, its gradients and AdamW state (plus the logits of one
   micro-batch) fit the memory this machine has (a lower bound: a run refused here could
-  never have run);
+  never have run), counted by arithmetic on the configuration (:func:`parameter_count`),
+  so that an absurd size is refused at once;
+* :func:`check_compile`: ``--compile-backend`` and ``--compile-mode`` are torch.compile's;
 * :func:`check_checkpoint_fits`: a checkpoint's model tensors, optimizer state (zero1's
   checks, on ``meta`` tensors), random state and sampler position fit the run.
 """
@@ -15,10 +17,12 @@ starts: so that bad input costs one line on stderr, exit code 2, and no file wri
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from lab2_trainer.config import INT_LIMIT
 from lab2_trainer.errors import UsageError
 
 GIB = 1024**3
@@ -47,6 +51,49 @@ def check_out_path(out: str) -> None:
         raise UsageError(f"--out {out}: {probe} is not writable (nothing was written)")
 
 
+#: torch.compile's own backends, which ``torch._dynamo.list_backends()`` may leave out of
+#: its default listing (it hides the "debug" ones, aot_eager and eager among them).
+BUILTIN_BACKENDS = ("inductor", "eager", "aot_eager")
+
+
+def check_compile(backend: str, mode: str | None) -> None:
+    """``--compile-backend`` names a backend torch.compile knows, and ``--compile-mode`` one
+    of inductor's modes (the other backends take none), checked here rather than in every
+    rank at its first step.
+
+    Raises:
+        UsageError: an unknown backend or mode.
+    """
+    try:
+        import torch._dynamo
+
+        known = set(torch._dynamo.list_backends(exclude_tags=())) | set(BUILTIN_BACKENDS)
+    except Exception:  # noqa: BLE001 (no dynamo on this platform: the ranks will say it)
+        return
+    if backend not in known:
+        import difflib
+
+        close = difflib.get_close_matches(backend, sorted(known), n=2)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise UsageError(f"--compile-backend {backend!r} is not a torch.compile backend{hint}; "
+                         f"choose one of {', '.join(sorted(torch._dynamo.list_backends()))}, "
+                         f"{', '.join(BUILTIN_BACKENDS[1:])}")
+    if mode is None or mode == "default":
+        return
+    if backend != "inductor":
+        raise UsageError(f"--compile-mode {mode!r} is an inductor mode; --compile-backend "
+                         f"{backend} takes none (drop --compile-mode)")
+    try:
+        from torch._inductor import list_mode_options
+
+        modes = list(list_mode_options())
+    except Exception:  # noqa: BLE001 (cannot list them: inductor will check)
+        return
+    if mode not in modes:
+        raise UsageError(f"--compile-mode {mode!r} is not one of inductor's modes: "
+                         f"{', '.join(modes)}")
+
+
 def shape_model(config: Any):
     """The model with ``meta`` tensors: shapes and names only, no memory, no init."""
     import torch
@@ -59,6 +106,19 @@ def shape_model(config: Any):
 
     with torch.device("meta"):
         return _Shapes(config)
+
+
+def parameter_count(config: Any) -> int:
+    """The model's parameters, counted from its configuration with Python integers (no
+    tensor, no work per layer, no overflow, however absurd the sizes): embeddings, per
+    block two norms, attention's qkv and output matrices and the feed-forward's two or
+    three, the final norm and the LM head (once when tied)."""
+    d, f, layers = config.d_model, config.d_ff, config.n_layers
+    norm = 2 * d if config.norm == "layernorm" else d  # a LayerNorm has a bias too
+    ffn = (3 if config.ffn == "swiglu" else 2) * d * f
+    block = 2 * norm + 4 * d * d + ffn
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    return (config.vocab_size + config.context_length) * d + layers * block + norm + head
 
 
 def available_memory() -> int | None:
@@ -86,8 +146,11 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def _fmt(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB" if n < 1024 * GIB else f"{n / 1024 / GIB:,.1f} TiB"
+def _fmt(n: int) -> str:
+    if n < 1024 * GIB:
+        return f"{n / GIB:,.1f} GiB"
+    tib = n / (1024 * GIB)
+    return f"{tib:,.1f} TiB" if tib < 1e6 else f"{tib:.2g} TiB"  # absurd sizes stay short
 
 
 def training_state_bytes(n: int, sharding: str, world_size: int,
@@ -121,7 +184,7 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
     Raises:
         UsageError: with the estimate and what is available.
     """
-    n = sum(p.numel() for p in shape_model(settings.model).parameters())
+    n = parameter_count(settings.model)
     micro = max(1, settings.batch_size // max(1, world_size) // max(1, settings.grad_accum))
     logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size
     per_rank = training_state_bytes(n, settings.sharding, world_size,
@@ -187,17 +250,118 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
                      who="optimizer state")
     except (TypeError, ValueError) as exc:
         raise UsageError(f"checkpoint {path}: {exc}") from None
+    _check_adamw_content(ckpt["optimizer"], opt.param_groups, settings, path)
+    _check_gradient_order(ckpt.get("gradient_order"), len(list(model.parameters())), path)
     _check_rng(ckpt["rng"], path)
+    _check_scaler(ckpt.get("scaler"), path)
     sampler = ckpt["sampler"]
     if not isinstance(sampler, dict) or not all(
-            isinstance(sampler.get(k), int) and sampler[k] >= 0 for k in ("seed", "draws")):
+            _is_int(sampler.get(k)) and 0 <= sampler[k] < INT_LIMIT for k in ("seed", "draws")):
         raise UsageError(f"checkpoint {path}: its sampler position is not two integers >= 0")
     if sampler["seed"] != settings.seed:
         raise UsageError(f"checkpoint {path} draws its data with seed {sampler['seed']}, not "
                          f"--seed {settings.seed}")
     step = ckpt["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not _is_int(step) or not 0 <= step < INT_LIMIT:
         raise UsageError(f"checkpoint {path}: its step {step!r} is not an integer >= 0")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite Python number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+#: AdamW's per-parameter state, as ``torch.optim.AdamW`` keeps it (amsgrad off).
+ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _check_adamw_content(state_dict: dict[str, Any], groups: list[dict[str, Any]],
+                         settings: Any, path: Any) -> None:
+    """What zero1's structural checks leave to the optimizer's first step: each group's
+    hyperparameters are AdamW's (``betas`` two numbers in [0, 1) equal to the run's, a
+    finite ``lr``, ``eps`` and ``weight_decay``, no amsgrad nor maximize), and each
+    parameter's state is exactly AdamW's: ``exp_avg`` and ``exp_avg_sq`` floating tensors
+    of the parameter's shape and a finite ``step`` >= 0, or nothing (not stepped yet).
+
+    Raises:
+        UsageError: one line naming the group or parameter and what is wrong.
+    """
+    import torch
+
+    betas = (settings.beta1, settings.beta2)
+    decays = (settings.weight_decay, 0.0)  # parallel.param_groups: matrices, then vectors
+    for i, saved in enumerate(state_dict["param_groups"]):
+        where = f"checkpoint {path}: optimizer param group {i}"
+        got = saved.get("betas")
+        if (not isinstance(got, (list, tuple)) or len(got) != 2
+                or not all(_is_real(b) and 0 <= b < 1 for b in got)):
+            raise UsageError(f"{where}: betas must be two numbers in [0, 1), got {got!r}")
+        if tuple(got) != betas:
+            raise UsageError(f"{where}: betas {tuple(got)} differ from the run's (--beta1, "
+                             f"--beta2) = {betas}")
+        for key, low in (("lr", 0.0), ("eps", 0.0), ("weight_decay", 0.0)):
+            value = saved.get(key)
+            if not _is_real(value) or value < low or (key == "eps" and value == 0):
+                raise UsageError(f"{where}: {key} must be a finite number "
+                                 f"{'> 0' if key == 'eps' else '>= 0'}, got {value!r}")
+        if i < len(decays) and saved["weight_decay"] != decays[i]:
+            raise UsageError(f"{where}: weight_decay {saved['weight_decay']!r} differs from "
+                             f"the run's {decays[i]!r}")
+        for key in ("amsgrad", "maximize"):
+            if saved.get(key, False) is not False:
+                raise UsageError(f"{where}: {key}={saved[key]!r}; the trainer's AdamW runs "
+                                 f"with {key}=False")
+    state = state_dict["state"]
+    for i, (ours, saved) in enumerate(zip(groups, state_dict["param_groups"])):
+        for j, (param, saved_id) in enumerate(zip(ours["params"], saved["params"])):
+            entry = state.get(saved_id)
+            if not entry:
+                continue
+            where = f"checkpoint {path}: optimizer state of parameter {j} in param group {i}"
+            if set(entry) != set(ADAMW_STATE):
+                raise UsageError(f"{where} holds {', '.join(sorted(map(str, entry)))}; AdamW's "
+                                 f"is {', '.join(sorted(ADAMW_STATE))}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry[key]
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point() \
+                        or t.shape != param.shape:
+                    what = (f"a {t.dtype} tensor of shape {list(t.shape)}"
+                            if isinstance(t, torch.Tensor) else f"a {type(t).__name__}")
+                    raise UsageError(f"{where}: {key} is {what}; it must be a floating tensor "
+                                     f"of the parameter's shape {list(param.shape)}")
+            step = entry["step"]
+            if isinstance(step, torch.Tensor):
+                step = step.item() if step.numel() == 1 and not step.is_complex() else None
+            if not _is_real(step) or step < 0:
+                raise UsageError(f"{where}: step must be one finite number >= 0, got "
+                                 f"{entry['step']!r}")
+
+
+def _check_gradient_order(order: Any, count: int, path: Any) -> None:
+    """minddp's learned launch order: None, or a permutation of the trainable parameters'
+    indices (``range(count)``)."""
+    if order is None:
+        return
+    if (not isinstance(order, (list, tuple)) or not all(_is_int(i) for i in order)
+            or sorted(order) != list(range(count))):
+        shown = repr(order) if len(repr(order)) <= 80 else repr(order)[:77] + "..."
+        raise UsageError(f"checkpoint {path}: its gradient_order must be a permutation of "
+                         f"range({count}) (the model's trainable parameters), got {shown}")
+
+
+def _check_scaler(scaler: Any, path: Any) -> None:
+    """fp16's GradScaler state: None or empty, or a dict of finite numbers with a scale > 0."""
+    if not scaler:
+        return
+    if not isinstance(scaler, dict) or not all(_is_real(v) for v in scaler.values()) \
+            or not scaler.get("scale", 1.0) > 0:
+        raise UsageError(f"checkpoint {path}: its gradient scaler state is not a dict of "
+                         "finite numbers with a scale > 0")
 
 
 def _check_rng(rng: Any, path: Any) -> None:

@@ -9,7 +9,9 @@ runs ``fn(rank, world_size, spec)`` and puts its (picklable) result on a queue. 
 raises, dies, outlives the deadline or stops giving heartbeats fails the whole run with its
 traceback, and every remaining rank is stopped: a hung collective costs the deadline, never
 forever. Every rank dies with its launcher and takes SIGTERM like Ctrl-C
-(:mod:`lab2bench.supervise`); the rendezvous folder is always removed.
+(:mod:`lab2bench.supervise`); the rendezvous folder is always removed, and one that a hard
+kill left anyway (it names its launcher in :data:`OWNER_NAME`) is swept by the next
+launch (:func:`sweep_stale_rendezvous`).
 
 :class:`RankGroup` is the core (start, :meth:`RankGroup.collect`, stop and clean up on
 exit); :func:`spawn_ranks` is the benchmarks' call. Used by ``lab2bench.comm`` and by
@@ -19,11 +21,13 @@ suites in other packages, which pass the modules their ranks need as ``preload``
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -32,6 +36,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lab2bench.records import atomic_write_text
 from lab2bench.supervise import RankWatch, exit_code_for
 
 #: How a rank that reported its own error and exited says so (``rank R exited with code C``).
@@ -39,6 +44,11 @@ EXITED = "exited with code"
 
 #: Modules the forkserver always imports before forking ranks.
 BASE_PRELOAD = ("torch", "torch.distributed", "lab2bench.ranks")
+
+#: The file in every rendezvous folder that names the launcher which made it (pid, host,
+#: the pid's start time), so that a later launcher can tell a dead run's folder.
+OWNER_NAME = "owner.json"
+_OWNER_KIND = "lab2bench.ranks.RankGroup rendezvous"
 
 
 class RankError(RuntimeError):
@@ -74,6 +84,78 @@ def threads_per_rank(world_size: int) -> int:
     (on 2 cores with 2 ranks: 1 thread each)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, world_size))
+
+
+def _process_start(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot; Linux), which tells a
+    live owner from a later process that reuses its pid; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner_record() -> str:
+    pid = os.getpid()
+    return json.dumps({"kind": _OWNER_KIND, "pid": pid, "host": socket.gethostname(),
+                       "process_start": _process_start(pid)}) + "\n"
+
+
+def _owner_gone(info: Any) -> bool:
+    """Whether the launcher an owner record names is gone (on this host); False for
+    anything else (another host's, or not such a record), which is left alone."""
+    if not isinstance(info, dict) or info.get("kind") != _OWNER_KIND:
+        return False
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive under another user, or cannot tell
+        return False
+    started, now = info.get("process_start"), _process_start(pid)
+    return started is not None and now is not None and started != now
+
+
+def sweep_stale_rendezvous(root: str | None = None, prefixes: Sequence[str] = ("lab2",)
+                           ) -> list[str]:
+    """Remove the rendezvous folders that launchers now gone left in ``root``.
+
+    A launcher removes its folder on the way out, and its orphaned ranks do when it dies;
+    what a hard kill leaves anyway (a rank stopped with SIGSTOP when its launcher was
+    killed, say) is swept here, at the next start. Only folders whose names start with one
+    of ``prefixes`` and whose :data:`OWNER_NAME` names a process of this host that has
+    exited are removed: a folder without that file (being created, or not ours) is left.
+
+    Args:
+        root: where the folders are (default: ``tempfile.gettempdir()``).
+        prefixes: the folder name prefixes to look at.
+
+    Returns:
+        The paths removed.
+    """
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(tuple(prefixes))]
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            with open(os.path.join(entry.path, OWNER_NAME), encoding="utf-8") as f:
+                info = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if _owner_gone(info):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.exists(entry.path):
+                removed.append(entry.path)
+    return removed
 
 
 _WATCH: RankWatch | None = None
@@ -145,7 +227,9 @@ class RankGroup:
     manager: entering starts them, :meth:`collect` gathers their results, leaving stops
     whatever is left (SIGKILL for :attr:`frozen` ranks, SIGTERM and then, after
     ``stop_grace`` seconds, SIGKILL for the others), restores ``OMP_NUM_THREADS`` and
-    removes the rendezvous folder.
+    removes the rendezvous folder. Entering first sweeps the rendezvous folders of
+    launchers that died (:func:`sweep_stale_rendezvous`); the new folder holds an
+    :data:`OWNER_NAME` naming this process.
 
     Args:
         fn: a module-level (importable) function; its result must be picklable.
@@ -201,7 +285,9 @@ class RankGroup:
 
     def __enter__(self) -> RankGroup:
         self._results = self.ctx.Queue()
+        sweep_stale_rendezvous(prefixes=("lab2", self.rdzv_prefix))
         self.tmp = tempfile.mkdtemp(prefix=self.rdzv_prefix)
+        atomic_write_text(os.path.join(self.tmp, OWNER_NAME), _owner_record())
         init_method = f"file://{os.path.join(self.tmp, 'rendezvous')}"
         self.watch = self._watch_type(self.ctx, self.world_size, self.tmp,
                                       direct_children=self.start_method != "forkserver")

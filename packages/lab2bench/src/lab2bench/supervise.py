@@ -7,7 +7,9 @@ the launcher (:mod:`lab2bench.ranks`) name the rank which stopped answering.
   parent (the liveness check that also works where there is no ``prctl``). A rank whose
   launcher is gone shuts down as on SIGTERM, removes the rendezvous folder the launcher
   can no longer remove, and is gone within :data:`ORPHAN_GRACE_S` seconds of noticing
-  (one heartbeat at most: 4.5 s in all) whatever it was doing.
+  (one heartbeat at most: 4.5 s in all) whatever it was doing. An orphaned rank also
+  continues its peers (SIGCONT), so that one stopped with SIGSTOP acts on its own
+  parent-death signal instead of staying behind, stopped, for ever.
 * SIGTERM raises :class:`Terminated`, a ``KeyboardInterrupt``: the launcher and the
   ranks take the same orderly path as on Ctrl-C (the last checkpoint stays intact; a
   checkpoint being written is abandoned, its temporary file removed).
@@ -135,6 +137,7 @@ class RankWatch:
                  direct_children: bool = True) -> None:
         self.beats = ctx.RawArray("d", nproc)
         self.status = ctx.RawArray("i", nproc)
+        self.pids = ctx.RawArray("i", nproc)  # each rank's, for its peers when orphaned
         self.parent_pid = os.getpid() if direct_children else None
         self.cleanup_dir = cleanup_dir
         self.started = time.monotonic()
@@ -142,6 +145,7 @@ class RankWatch:
     # ---------------------------------------------------------------- rank side
     def start_rank(self, rank: int) -> RankGuard:
         """In the rank: die with the launcher, beat, handle SIGTERM."""
+        self.pids[rank] = os.getpid()
         guard = RankGuard(self, rank)
         guard.start()
         return guard
@@ -196,8 +200,14 @@ class RankGuard:
                 self._orphan()
 
     def _orphan(self) -> None:
-        """The launcher is gone: stop as on SIGTERM, and be gone within the grace time."""
+        """The launcher is gone: stop as on SIGTERM, and be gone within the grace time.
+        A peer stopped with SIGSTOP would never act on its own parent-death signal (nor
+        be reaped): it is continued, so that it stops in order too."""
         self.orphaned = True
+        for pid in list(self.watch.pids):
+            if pid > 0 and pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
         with contextlib.suppress(OSError):
             os.kill(os.getpid(), signal.SIGTERM)
         threading.Thread(target=self._last_resort, name="lab2-rank-exit", daemon=True).start()
