@@ -132,3 +132,41 @@ def test_checks_run_on_meta_tensors_without_an_optimizer_instance():
     wrong["state"][2]["exp_avg_sq"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"'exp_avg_sq' of parameter 0 in param group 1"):
         check_state_dict(wrong, meta.param_groups, meta.defaults)
+
+
+def _failing_step(rank: int, world_size: int, kwargs: dict) -> dict:
+    """The last rank's local optimizer raises in the step: it still takes its part in the
+    exchange, so the other ranks finish the step at once, and it raises the error."""
+    import time
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, **kwargs)
+    if rank == world_size - 1:
+        def broken(*args, **kw):
+            raise RuntimeError("a broken local step")
+
+        opt.local_optimizer.step = broken
+    loss = model(torch.randn(4, 5, dtype=torch.float64)).square().mean()
+    loss.backward()
+    if not kwargs.get("reduce_gradients", True):
+        for p in model.parameters():  # the DDP wrapper's job on this path
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world_size
+    start = time.monotonic()
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "took": time.monotonic() - start}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("kwargs", [{"stage": 1}, {"stage": 2}, {"reduce_gradients": False}],
+                         ids=["stage1", "stage2", "broadcast"])
+def test_a_failed_local_step_leaves_no_rank_waiting(world_size, kwargs):
+    results = run_ranks(_failing_step, world_size, kwargs, timeout=120, pg_timeout=60)
+    assert results[-1]["error"] == "a broken local step"
+    for got in results[:-1]:
+        assert got["error"] is None and got["took"] < 30, got  # not the 60 s timeout

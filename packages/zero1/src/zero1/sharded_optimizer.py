@@ -558,6 +558,11 @@ class ShardedOptimizer(Optimizer):
 
         Returns:
             The closure's loss, or None.
+
+        Raises:
+            Whatever the local optimizer's step raised, after this rank has taken its part
+            in the parameter exchange (with its shard as it was): the other ranks finish
+            the step instead of waiting for it until the process group's timeout.
         """
         loss = None
         if closure is not None:
@@ -570,13 +575,21 @@ class ShardedOptimizer(Optimizer):
         elif self._exchange is not None:
             self._exchange.ensure_bound()
         self._push_hyperparameters()
-        self._local.step(**kwargs)
+        failure = None
+        try:
+            self._local.step(**kwargs)
+        except Exception as exc:  # re-raised below
+            # The other ranks are about to wait for this rank's shard: send it (as it was)
+            # before raising, so that no rank is left waiting in the exchange.
+            failure = exc
         if buckets is not None:
             buckets.gather_parameters()
             buckets.end_step()
         elif self._exchange is not None:
             self._exchange.synchronize()
         self._consolidated_state = None
+        if failure is not None:
+            raise failure
         return loss
 
     # ------------------------------------------------------------------ checkpoints
