@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from lab2_trainer.plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
     from lab2_trainer import distributed as D
