@@ -37,6 +37,7 @@ from torch.utils import checkpoint as _ckpt
 
 from lab2_trainer.settings import ACTIVATION_CHECKPOINTING as KINDS
 
+
 def _saved_operators() -> set[Any]:
     """The operators whose outputs ``selective`` keeps: matrix products and attention."""
     aten = torch.ops.aten
