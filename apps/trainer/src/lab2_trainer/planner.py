@@ -153,18 +153,19 @@ class PlanInput:
                              f"{self.world_size} ranks x {self.grad_accum} micro-batches")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"--bucket-mb must be > 0, got {self.bucket_mb!r}")
+        zero_ok = ("fragmentation", "workspace_gib", "context_gib", "latency_intra_us",
+                   "latency_inter_us", "overlap")
         for f in dataclasses.fields(self.hardware):
             value = getattr(self.hardware, f.name)
-            low_ok = value >= 0 if f.name in ("fragmentation", "workspace_gib",
-                                               "context_gib", "latency_intra_us",
-                                               "latency_inter_us") else value > 0
-            if not (math.isfinite(value) and low_ok):
-                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number "
-                                 f"{'>= 0' if f.name != 'efficiency' else 'in (0, 1]'}, "
-                                 f"got {value!r}")
-        if not 0 < self.hardware.efficiency <= 1:
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 \
+                    or (value == 0 and f.name not in zero_ok):
+                bound = ">= 0" if f.name in zero_ok else "> 0"
+                raise ValueError(f"{flag} must be a finite number {bound}, got {value!r}")
+        if self.hardware.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.hardware.efficiency}")
-        if not 0 <= self.hardware.overlap <= 1:
+        if self.hardware.overlap > 1:
             raise ValueError(f"--overlap must be in [0, 1], got {self.hardware.overlap}")
         return self
 
@@ -183,7 +184,10 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     embeddings = (config.vocab_size + config.context_length) * d
     head = 0 if config.tie_embeddings else config.vocab_size * d
     total = config.n_layers * block + embeddings + head + norm
-    matmul = config.n_layers * block_matmul + config.vocab_size * d
+    # lab2_trainer.mfu.matmul_parameters's N: all but the position table, and the token
+    # table unless it is the head.
+    matmul = total - config.context_length * d - (0 if config.tie_embeddings
+                                                  else config.vocab_size * d)
     return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
             "embeddings": embeddings, "head": head, "norms": norm, "total": total,
             "matmul": matmul}
@@ -233,9 +237,11 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
 
 def final_activation_bytes(config: ModelConfig, precision: str) -> float:
     """Per token: what the final norm and the LM head keep (the fp32 residual sum, the
-    normalised output in the autocast dtype) and the loss's fp32 log-softmax (4 V)."""
+    normalised output in the autocast dtype; nn.RMSNorm's normalised input besides) and
+    the loss's fp32 log-softmax (4 V)."""
     a = ACTIVATION_BYTES[precision]
-    return (4 + a) * config.d_model + 4 * config.vocab_size
+    norm_extra = 4 * config.d_model if config.norm == "torch" else 0
+    return (4 + a) * config.d_model + norm_extra + 4 * config.vocab_size
 
 
 def logits_bytes(config: ModelConfig, precision: str, compiled: bool = False) -> float:
