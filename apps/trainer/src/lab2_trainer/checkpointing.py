@@ -65,17 +65,8 @@ def selective_kind() -> str:
     return "op" if has_op_policy() else "every-other-block"
 
 
-_context_fn: list[Callable[[], Any]] = []
-
-
-def _policy_context() -> Callable[[], Any]:
-    """The ``context_fn`` of the op-level policy (built once)."""
-    if not _context_fn:
-        _context_fn.append(_build_policy_context())
-    return _context_fn[0]
-
-
 def _build_policy_context() -> Callable[[], Any]:
+    """The ``context_fn`` of the op-level policy."""
     policy_enum = _ckpt.CheckpointPolicy
     saved = frozenset(_saved_operators())
 
@@ -85,6 +76,10 @@ def _build_policy_context() -> Callable[[], Any]:
         return policy_enum.PREFER_RECOMPUTE
 
     return functools.partial(_ckpt.create_selective_checkpoint_contexts, policy)
+
+
+# Built at import: torch.compile then reads a module global instead of tracing the build.
+_POLICY_CONTEXT = _build_policy_context() if has_op_policy() else None
 
 
 def check_kind(kind: str) -> str:
@@ -108,7 +103,7 @@ def run_block(block: nn.Module, index: int, kind: str, *args: torch.Tensor | Non
         return _ckpt.checkpoint(block, *args, use_reentrant=False)
     if has_op_policy():
         return _ckpt.checkpoint(block, *args, use_reentrant=False,
-                                context_fn=_policy_context())
+                                context_fn=_POLICY_CONTEXT)
     global _warned
     if not _warned:
         _warned = True
