@@ -118,7 +118,6 @@ def measure(cfg: dict, args, device: torch.device) -> dict:
         flops = predicted["time"]["model_flops_per_token"]
         record["measured_mfu"] = tokens / step_s * flops / (hardware.peak_tflops * 1e12)
     record["step_error"] = record["predicted_step_ms"] / record["measured_step_ms"] - 1
-    del model, optimizer, forward
     return record
 
 
