@@ -10,8 +10,8 @@ Memory, per GPU, item by item (:func:`memory_items`):
   :func:`lab2_trainer.validate_inputs.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
-  DDPBucketed (more than one rank, a --ddp wrapper) its flat gradient buckets (4 bytes a
-  parameter); fsdp the gathered weights of the block running and the one prefetched;
+  fsdp the gathered weights of the block running and the one prefetched (DDPBucketed's
+  flat buckets are the gradients themselves: the ``.grad`` are views of them);
 * **half-precision weight copies**: eager autocast casts every matrix to bf16/fp16 once per
   forward and the matrix products keep the copies for the backward (2 bytes a matrix
   parameter); compiled graphs cast again in the backward instead;
@@ -22,9 +22,11 @@ Memory, per GPU, item by item (:func:`memory_items`):
 * **allocator workspace**: a fixed amount (cuBLAS and attention workspaces) plus a fraction
   of the rest for the caching allocator's rounding and fragmentation.
 
-Activations and gradients never peak together on the first micro-batch: autograd frees
-the activations as it produces the gradients (and the trainer sets the gradients to None
-after each step), so the larger of the two counts; with gradient accumulation both do.
+Activations and gradients do not peak together when the gradients are freed after each
+step (one rank without sharding, zero2, fsdp): autograd frees the activations as it
+produces the gradients, so the larger of the two counts. Where the gradients persist
+(zero1 stage 1's buffer, DDPBucketed's buckets) or accumulate (``grad_accum`` > 1), both
+count.
 
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
 :func:`lab2_trainer.mfu.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
@@ -270,8 +272,9 @@ def memory_items(p: PlanInput) -> dict[str, float]:
         buffers = min(bucket, 4 * n)
     elif p.sharding == "fsdp":
         buffers = 2 * 4 * counts["block"] if p.reshard_after_forward else 0.0
-    elif N > 1:  # a --ddp wrapper: DDPBucketed's flat buckets
-        buffers = 4 * n
+    # Gradients that outlive the step: zero1 stage 1's full buffer, and DDPBucketed's
+    # flat buckets (more than one rank, a --ddp wrapper), which the .grad are views of.
+    persistent = p.sharding == "zero1" or (N > 1 and p.sharding not in ("zero2", "fsdp"))
     half = p.precision != "fp32"
     casts = 2 * counts["matmul"] if half and not p.compile else 0.0
     tokens = p.micro_batch * c.context_length
@@ -284,9 +287,9 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     logits = tokens * logits_bytes(c, p.precision, p.compile)
     forward_backward = activations + recompute + logits
     gradients = state["gradients"]
-    counted_grads = gradients if p.grad_accum > 1 else 0.0
+    counted_grads = gradients if p.grad_accum > 1 or persistent else 0.0
     counted_acts = forward_backward
-    if p.grad_accum == 1 and gradients > forward_backward:
+    if not counted_grads and gradients > forward_backward:
         counted_grads, counted_acts = gradients, 0.0
     workspace = hw.workspace_gib * GIB
     items = {
