@@ -119,7 +119,7 @@ def _ranks(rank, world_size, data, out):
     ctx = DistContext.from_process_group()
     curves = {}
     for sharding, ddp in (("zero1", "none"), ("zero2", "none"), ("fsdp", "none"),
-                          ("zero1-allreduce", "bucketed")):
+                          ("zero1-allreduce", "bucketed"), ("torch", "torch")):
         for kind in KINDS:
             name = f"{sharding}-{kind}"
             s = tiny_settings(data, f"{out}/{name}", sharding=sharding, ddp=ddp,
@@ -137,6 +137,6 @@ def test_checkpointing_on_ranks_matches_one_process_without_it(world_size, corpu
     want = curve(ref)
     got = run_ranks(_ranks, world_size, str(corpus_dir), str(tmp_path / "ranks"),
                     timeout=400)[0]
-    assert len(got) == 8
+    assert len(got) == 10
     for name, losses in got.items():
         assert_same_curve(losses, want, rtol=1e-5), name
