@@ -10,7 +10,9 @@ attention, the norm, AdamW, NCCL, the rest), the way to see what is left to win.
     python apps/trainer/benchmarks/mfu.py --preset xl --batch-size 32
     python apps/trainer/benchmarks/mfu.py --preset medium --batch-size 8 --stack torch --profile
 
-``--stack ours`` is DDPBucketed (25 MB) + zero1's ShardedOptimizer + tritonnorm;
+``--stack ours`` is zero1's ShardedOptimizer stage 1 (reducing the gradients itself) +
+tritonnorm, the trainer's default; ``ours-zero2`` its stage 2; ``ours-allreduce``
+DDPBucketed (25 MB) + ShardedOptimizer broadcasting (the default before zero1 0.3.0);
 ``--stack torch`` is DistributedDataParallel + ZeroRedundancyOptimizer + nn.RMSNorm. Both
 run on a one-rank NCCL group, fused AdamW, bf16 autocast. Each timed window is
 ``--steps`` steps between two CUDA events; the best of ``--windows`` windows is reported
@@ -28,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.bench.distributed import make_variant, step_marks
+from lab2_trainer.bench.distributed import make_sharded_variant, make_variant, step_marks
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
 from lab2_trainer.mfu import (
     device_label,
@@ -39,8 +41,10 @@ from lab2_trainer.mfu import (
 )
 from lab2_trainer.settings import BACKWARD_THREADS
 
-STACKS = {  # norm, ddp kind, sharding
-    "ours": ("tritonnorm", "bucketed", "zero1"),
+STACKS = {  # norm, ddp kind, sharding (the trainer's --ddp and --sharding)
+    "ours": ("tritonnorm", "none", "zero1"),
+    "ours-zero2": ("tritonnorm", "none", "zero2"),
+    "ours-allreduce": ("tritonnorm", "bucketed", "zero1-allreduce"),
     "torch": ("torch", "torch", "torch"),
 }
 # Kernel families by name fragment, first match wins (cuBLAS's Hopper kernels are nvjet_*).
@@ -91,8 +95,12 @@ def main() -> None:
     config = build_config(args.preset, context_length=args.context_length,
                           vocab_size=args.vocab_size, norm=norm)
     model = build_model(config, device, seed=0)
-    variant = make_variant(model, ddp, sharding, device,
-                           forward=torch.compile(model, mode=args.mode))
+    if ddp == "none":
+        variant = make_sharded_variant(model, sharding, device,
+                                       compile={"backend": "inductor", "mode": args.mode})
+    else:
+        variant = make_variant(model, ddp, sharding, device,
+                               forward=torch.compile(model, mode=args.mode))
     batches = [random_batch(config, args.batch_size, device, seed=i) for i in range(2)]
 
     def step(i: int) -> None:

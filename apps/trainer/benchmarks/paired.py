@@ -12,8 +12,10 @@ A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``:
     DDP       the trainer's GradSync kind: none, bucketed, torch (one rank; bucketed and
               torch launch no collective on a group of one, but do all their bookkeeping);
     RULE      bucketed's bucket rule: reach (default) or at_most;
-    SHARDING  the optimizer's state sharding: none (default), zero1 (ShardedOptimizer) or
-              torch (ZeroRedundancyOptimizer);
+    SHARDING  the trainer's --sharding: none (default), zero1 / zero2 (ShardedOptimizer
+              reducing the gradients itself: DDP must be none), zero1-allreduce
+              (ShardedOptimizer after the DDP wrapper), torch (ZeroRedundancyOptimizer) or
+              fsdp;
     THREAD    the thread that runs backward: caller (default) or autograd.
 
 Each step is the trainer's (``bench.distributed.step_marks``): forward under bf16
@@ -21,7 +23,7 @@ autocast, backward, gradient synchronisation, fused AdamW (sharded as asked). Th
 stacks of ``bench stack``, ours against PyTorch's::
 
     python apps/trainer/benchmarks/paired.py --preset small \\
-        --variants torch:torch+torch tritonnorm:bucketed+zero1
+        --variants torch:torch+torch tritonnorm:bucketed+zero1-allreduce
 
     python apps/trainer/benchmarks/paired.py --preset medium \\
         --variants torch:none@autograd torch:none tritonnorm:none tritonnorm:bucketed
@@ -39,9 +41,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.bench.distributed import fresh_copy, make_variant, step_marks
+from lab2_trainer.bench.distributed import (
+    fresh_copy,
+    make_sharded_variant,
+    make_variant,
+    step_marks,
+)
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
-from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES, SHARDING_KINDS
+from lab2_trainer.settings import (
+    BACKWARD_THREADS,
+    BUCKET_RULES,
+    SELF_REDUCING,
+    SHARDING_KINDS,
+)
 
 
 @dataclass(frozen=True)
@@ -114,8 +126,16 @@ def main() -> None:
                                   vocab_size=args.vocab_size, norm=s.norm)
             bases[s.norm] = (build_model(config, "cpu", seed=0),
                              random_batch(config, args.batch_size, device, seed=0))
-        variants[s.name] = make_variant(fresh_copy(bases[s.norm][0], device), s.ddp, s.sharding,
-                                        device, bucket_rule=s.rule)
+        model = fresh_copy(bases[s.norm][0], device)
+        if s.sharding in SELF_REDUCING:
+            if s.ddp != "none":
+                raise SystemExit(f"{s.name}: --sharding {s.sharding} reduces gradients "
+                                 "itself; use DDP none")
+            variants[s.name] = make_sharded_variant(model, s.sharding, device,
+                                                    bucket_rule=s.rule)
+        else:
+            variants[s.name] = make_variant(model, s.ddp, s.sharding, device,
+                                            bucket_rule=s.rule)
 
     def window(s: Setup, steps: int) -> float:
         """Mean ms per step of ``steps`` back-to-back steps (one untimed step first)."""

@@ -81,10 +81,12 @@ def test_ddp_rows_exposed_shares():
 def test_variant_tables_cover_every_option():
     """The variants the options accept (``bench.arguments``, no torch) are the ones the
     suites know how to build."""
-    from lab2_trainer.bench import arguments, ddp, zero
+    from lab2_trainer.bench import arguments, ddp
+    from lab2_trainer.settings import SHARDING_KINDS
 
     assert set(ddp.DDP_KIND) == set(arguments.DDP_VARIANTS)
-    assert set(zero.SHARDING) == set(arguments.ZERO_VARIANTS)
+    assert set(arguments.ZERO_VARIANTS) == set(arguments.SHARDINGS)
+    assert {kind for kind, _, _ in arguments.SHARDINGS.values()} == set(SHARDING_KINDS)
 
 
 def test_suites_step_the_trainers_adamw():

@@ -149,12 +149,30 @@ def _rank_main(rank: int, world: int, spec: tuple) -> None:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
             print(f"lab2-train: rank {rank} gave up waiting for the other ranks after "
                   f"--timeout {timeout_s:g} s ({reason})", file=sys.stderr, flush=True)
+        elif is_peer_lost_error(exc):
+            # Another rank is gone (the launcher names it and how it ended): this rank's
+            # broken collective is a consequence, not a second story.
+            if watch is not None:
+                watch.mark(rank, FAILED)
+            print(f"lab2-train: rank {rank} stopped: another rank closed its connection "
+                  "mid-collective", file=sys.stderr, flush=True)
         else:
             if watch is not None:
                 watch.mark(rank, FAILED)
             print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
                   flush=True)
         sys.exit(1)
+
+
+#: How a collective reports that a peer went away (Gloo's TCP transport, NCCL).
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "remote process exited", "socket closed")
+
+
+def is_peer_lost_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank went away."""
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, OSError)) and any(s in text for s in _PEER_LOST)
 
 
 DEFAULT_TIMEOUT_S = 300.0

@@ -262,9 +262,13 @@ _COUNTED = {
     "all_gather_into_tensor": (0, "output_tensor"),
     "broadcast": (0, "tensor"),
     "reduce": (0, "tensor"),
+    # torch >= 2.10: what FSDP2 calls (absent names are skipped).
+    "reduce_scatter_single": (1, "input"),
+    "all_gather_single": (0, "output_tensor"),
 }
 _FACTOR = {"all_reduce": 2, "allreduce": 2, "reduce_scatter_tensor": 1,
-           "all_gather_into_tensor": 1, "broadcast": 1, "reduce": 1}
+           "all_gather_into_tensor": 1, "broadcast": 1, "reduce": 1,
+           "reduce_scatter_single": 1, "all_gather_single": 1}
 
 
 class CollectiveCounter:
@@ -305,10 +309,12 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
     """Record every tensor collective this process issues from Python while active.
 
     Counts ``torch.distributed``'s ``all_reduce``, ``reduce_scatter_tensor``,
-    ``all_gather_into_tensor``, ``broadcast`` and ``reduce``, and ``ProcessGroup.allreduce`` called
-    directly (as minddp does to skip the wrapper's checks), each once. Collectives that
-    PyTorch issues from C++ (``DistributedDataParallel``'s reducer) are not seen, nor
-    the small object collectives (``all_gather_object``, ``gather_object``).
+    ``all_gather_into_tensor``, ``broadcast`` and ``reduce`` (and ``reduce_scatter_single``
+    and ``all_gather_single``, FSDP2's, where this torch has them), and
+    ``ProcessGroup.allreduce`` called directly (as minddp does to skip the wrapper's
+    checks), each once. Collectives that PyTorch issues from C++
+    (``DistributedDataParallel``'s reducer) are not seen, nor the small object collectives
+    (``all_gather_object``, ``gather_object``).
     """
 
     def __init__(self) -> None:
@@ -329,7 +335,8 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
 
         def wrap_function(name: str, position: int, keyword: str, original: Any) -> Any:
             def counted(*args: Any, **kwargs: Any) -> Any:
-                record(name, [args[position] if len(args) > position else kwargs[keyword]])
+                if not getattr(depth, "inside", 0):  # one collective may call another
+                    record(name, [args[position] if len(args) > position else kwargs[keyword]])
                 depth.inside = getattr(depth, "inside", 0) + 1
                 try:
                     return original(*args, **kwargs)
@@ -339,7 +346,9 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
             return counted
 
         for name, (position, keyword) in _COUNTED.items():
-            original = getattr(dist, name)
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
             self._saved.append((dist, name, original))
             setattr(dist, name, wrap_function(name, position, keyword, original))
 

@@ -25,8 +25,32 @@ NORMS = list(NORM_KINDS)
 DDP_VARIANTS = ("local", "naive", "flat", "individual", "bucketed", "torch", "bucketed_bf16",
                 "torch_bf16")
 DDP_DEFAULT_VARIANTS = DDP_VARIANTS[:6]
+#: Every way of sharding the ``zero`` and ``stack`` suites compare, by the name they print:
+#: (the trainer's ``--sharding``, its ``--ddp``, FSDP2's ``reshard_after_forward``). The DDP
+#: wrapper, where there is one, is PyTorch's, so that only the sharding differs.
+SHARDINGS: dict[str, tuple[str, str, bool]] = {
+    "adamw": ("none", "torch", True),
+    "zero1": ("zero1", "none", True),
+    "zero2": ("zero2", "none", True),
+    "zero1-allreduce": ("zero1-allreduce", "torch", True),
+    "torch_zero": ("torch", "torch", True),
+    "fsdp": ("fsdp", "none", True),
+    "fsdp-keep": ("fsdp", "none", False),
+}
 #: The ``zero`` suite's variants.
-ZERO_VARIANTS = ("adamw", "sharded", "torch_zero")
+ZERO_VARIANTS = tuple(SHARDINGS)
+#: The ``stack`` suite's stacks: (whose norm, the sharding of ``SHARDINGS``, the DDP
+#: wrapper where that sharding takes one). "ours" is the trainer's default on several
+#: ranks; "pytorch" is DistributedDataParallel + ZeroRedundancyOptimizer + nn.RMSNorm.
+STACKS: dict[str, tuple[str, str, str | None]] = {
+    "ours": ("ours", "zero1", None),
+    "ours-zero2": ("ours", "zero2", None),
+    "ours-allreduce": ("ours", "zero1-allreduce", "bucketed"),
+    "ours-fsdp": ("ours", "fsdp", None),
+    "pytorch": ("pytorch", "torch_zero", "torch"),
+    "pytorch-fsdp": ("pytorch", "fsdp", None),
+    "pytorch-fsdp-keep": ("pytorch", "fsdp-keep", None),
+}
 
 
 def preset_names() -> list[str]:
@@ -168,6 +192,8 @@ def _zero(parser: argparse.ArgumentParser) -> None:
 
 def _stack(parser: argparse.ArgumentParser) -> None:
     add_rank_arguments(parser)
+    parser.add_argument("--variants", type=_split, default=list(STACKS),
+                        help=f"comma-separated, from {', '.join(STACKS)} (default all)")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="DDPBucketed's bucket size (default 25, PyTorch DDP's default)")
     _bucket_rule(parser)

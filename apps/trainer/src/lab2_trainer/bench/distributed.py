@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lab2_trainer.backward_thread import backward_thread as backward_on
-from lab2_trainer.bench.steps import make_optimizer
+from lab2_trainer.bench.arguments import SHARDINGS
+from lab2_trainer.bench.steps import LR, make_optimizer
 from lab2_trainer.bench.workload import (
     StepMarks,
     autocast,
@@ -43,7 +44,8 @@ from lab2_trainer.bench.workload import (
     free_memory,
     random_batch,
 )
-from lab2_trainer.parallel import GradSync
+from lab2_trainer.parallel import GradSync, fused_adamw_available
+from lab2_trainer.settings import TrainSettings
 
 #: The points of a step, in order; durations are measured from the step's start.
 POINTS = ("forward", "backward", "sync", "optimizer")
@@ -98,9 +100,49 @@ def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device
         reduce_dtype: the dtype gradients travel in (``GradSync``'s).
         bucket_rule: how ``bucket_mb`` cuts "bucketed"'s buckets (``GradSync``'s).
     """
+    from lab2_trainer.settings import SELF_REDUCING
+
+    if sharding in SELF_REDUCING:
+        raise ValueError(f"sharding {sharding!r} averages gradients itself: build it with "
+                         "make_sharded_variant")
     sync = GradSync(model, model if forward is None else forward, ddp, bucket_mb, device,
                     reduce_dtype=reduce_dtype, bucket_rule=bucket_rule)
     return Variant(model, sync, make_optimizer(model, sharding))
+
+
+def make_sharded_variant(model: nn.Module, kind: str, device: torch.device, *,
+                         compile: dict[str, Any] | None = None, bucket_mb: float = 25.0,
+                         bucket_rule: str = "reach", ddp: str | None = None) -> Variant:
+    """``model`` set up as the trainer sets up ``--sharding`` of ``SHARDINGS[kind]``, by the
+    trainer's own ``parallelize`` (compilation, wrapper or sharding, then AdamW); ``ddp``
+    replaces the kind's DDP wrapper where it has one."""
+    from lab2_trainer.parallel import parallelize
+
+    sharding, kind_ddp, reshard = SHARDINGS[kind]
+    if ddp is not None and kind_ddp != "none":
+        kind_ddp = ddp
+    defaults = TrainSettings()
+    p = parallelize(model, sharding=sharding, ddp=kind_ddp, device=device, lr=LR,
+                    betas=(defaults.beta1, defaults.beta2), weight_decay=defaults.weight_decay,
+                    fused=fused_adamw_available(device), compile=compile, bucket_mb=bucket_mb,
+                    bucket_rule=bucket_rule, reshard_after_forward=reshard)
+    return Variant(p.model, p, p.optimizer)  # a Parallel steps as a GradSync does
+
+
+def held_bytes(v: Variant) -> dict[str, int]:
+    """Bytes of gradients and optimizer state this rank holds now, counted from the tensors
+    (local shards of DTensors; zero1's own gradient buffers; each storage once)."""
+    from lab2_trainer.bench.workload import optimizer_state_tensors, storage_bytes
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    if hasattr(v.optimizer, "gradient_bytes"):
+        grads = v.optimizer.gradient_bytes()
+    else:
+        grads = storage_bytes(local(p.grad) for p in v.model.parameters() if p.grad is not None)
+    state = storage_bytes(local(t) for t in optimizer_state_tensors(v.optimizer))
+    return {"grad_bytes": grads, "optim_state_bytes": state}
 
 
 def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
