@@ -18,7 +18,12 @@ from typing import Any
 
 from lab2_trainer.config import FFN_KINDS, NORM_KINDS, PRESETS, model_config
 from lab2_trainer.planner import GIB, Hardware, PlanInput, plan
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING, PRECISIONS, SHARDING_KINDS
+from lab2_trainer.settings import (
+    ACTIVATION_CHECKPOINTING,
+    DDP_KINDS,
+    PRECISIONS,
+    SHARDING_KINDS,
+)
 
 EXIT_BAD_INPUT = 2
 MODEL_FIELDS = {"d_model": int, "n_layers": int, "n_heads": int, "d_ff": int,
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
     p.add_argument("--sharding", choices=SHARDING_KINDS, default=None,
                    help="default: zero1 with more than one GPU, else none (as lab2-train)")
+    p.add_argument("--ddp", choices=DDP_KINDS, default=None,
+                   help="default: bucketed with more than one GPU and --sharding none, "
+                   "zero1-allreduce or torch, else none (as lab2-train)")
     p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING,
                    default="none")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
@@ -102,7 +110,7 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
                            if getattr(args, k) is not None})
     return PlanInput(model=model, batch_size=batch, gpus_per_node=args.gpus_per_node,
                      nodes=args.nodes, grad_accum=args.grad_accum, precision=args.precision,
-                     sharding=args.sharding,
+                     sharding=args.sharding, ddp=args.ddp,
                      activation_checkpointing=args.activation_checkpointing,
                      compile=args.compile, reshard_after_forward=args.reshard_after_forward,
                      bucket_mb=args.bucket_mb, hardware=hardware).validate()
@@ -117,7 +125,8 @@ def compare_rows(p: PlanInput) -> list[dict[str, Any]]:
     rows = []
     for sharding in SHARDING_KINDS:
         for kind in ACTIVATION_CHECKPOINTING:
-            q = dataclasses.replace(p, sharding=sharding, activation_checkpointing=kind)
+            q = dataclasses.replace(p, sharding=sharding, ddp=None,
+                                    activation_checkpointing=kind)
             result = plan(q)
             rows.append({"sharding": sharding, "activation_checkpointing": kind,
                          "peak_gib": result["peak_gib"], "fits": result["fits"],

@@ -10,8 +10,10 @@ Memory, per GPU, item by item (:func:`memory_items`):
   :func:`lab2_trainer.validate_inputs.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
-  fsdp the gathered weights of the block running and the one prefetched (DDPBucketed's
-  flat buckets are the gradients themselves: the ``.grad`` are views of them);
+  fsdp the gathered weights of the block running and the one prefetched; PyTorch's
+  DistributedDataParallel its bucket copy of the gradients (DDPBucketed's flat buckets are
+  the gradients themselves: the ``.grad`` are views of them); with one rank, zero1's
+  ShardedOptimizer is the plain optimizer and holds nothing more;
 * **half-precision weight copies**: eager autocast casts every matrix to bf16/fp16 once per
   forward and the matrix products keep the copies for the backward (2 bytes a matrix
   parameter); compiled graphs cast again in the backward instead;
@@ -23,10 +25,10 @@ Memory, per GPU, item by item (:func:`memory_items`):
   of the rest for the caching allocator's rounding and fragmentation.
 
 Activations and gradients do not peak together when the gradients are freed after each
-step (one rank without sharding, zero2, fsdp): autograd frees the activations as it
+step (no DDP wrapper, one rank or zero2 or fsdp): autograd frees the activations as it
 produces the gradients, so the larger of the two counts. Where the gradients persist
-(zero1 stage 1's buffer, DDPBucketed's buckets) or accumulate (``grad_accum`` > 1), both
-count.
+(zero1 stage 1's buffer on several ranks, the DDP wrappers' buckets) or accumulate
+(``grad_accum`` > 1), both count.
 
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
 :func:`lab2_trainer.mfu.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
@@ -49,7 +51,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING, PRECISIONS, SHARDING_KINDS
+from lab2_trainer.settings import (
+    ACTIVATION_CHECKPOINTING,
+    DDP_KINDS,
+    PRECISIONS,
+    SELF_REDUCING,
+    SHARDING_KINDS,
+)
 from lab2_trainer.validate_inputs import training_state_parts
 
 GIB = 1024**3
@@ -101,6 +109,8 @@ class PlanInput:
         precision: "fp32", "bf16" or "fp16" (autocast).
         sharding: one of ``SHARDING_KINDS`` (None: the trainer's default, zero1 with more
             than one rank, else none).
+        ddp: the gradient-averaging wrapper, one of ``DDP_KINDS`` (None: the trainer's
+            default, bucketed with more than one rank and a kind that takes one, else none).
         activation_checkpointing: "none", "full" or "selective".
         compile: whether the model is compiled (what the backward keeps differs).
         reshard_after_forward: fsdp's.
@@ -114,6 +124,7 @@ class PlanInput:
     grad_accum: int = 1
     precision: str = "bf16"
     sharding: str | None = None
+    ddp: str | None = None
     activation_checkpointing: str = "none"
     compile: bool = True
     reshard_after_forward: bool = True
@@ -145,6 +156,14 @@ class PlanInput:
         if self.sharding not in SHARDING_KINDS:
             raise ValueError(f"--sharding must be one of {', '.join(SHARDING_KINDS)}; got "
                              f"{self.sharding!r}")
+        if self.ddp is None:
+            self.ddp = ("bucketed" if self.world_size > 1 and self.sharding not in SELF_REDUCING
+                        else "none")
+        if self.ddp not in DDP_KINDS:
+            raise ValueError(f"--ddp must be one of {', '.join(DDP_KINDS)}; got {self.ddp!r}")
+        if self.sharding in SELF_REDUCING and self.ddp != "none":
+            raise ValueError(f"--sharding {self.sharding} averages gradients itself: --ddp "
+                             f"must be none, not {self.ddp}")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError("--activation-checkpointing must be one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}; got "
@@ -266,15 +285,18 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     state = training_state_parts(n, p.sharding, N, p.reshard_after_forward)
     bucket = p.bucket_mb * 1024**2
     buffers = 0.0
-    if p.sharding == "zero1":
+    # With one rank zero1's ShardedOptimizer is the plain optimizer: no buckets.
+    if p.sharding == "zero1" and N > 1:
         buffers = 4 * n / N
-    elif p.sharding == "zero2":
+    elif p.sharding == "zero2" and N > 1:
         buffers = min(bucket, 4 * n)
     elif p.sharding == "fsdp":
         buffers = 2 * 4 * counts["block"] if p.reshard_after_forward else 0.0
-    # Gradients that outlive the step: zero1 stage 1's full buffer, and DDPBucketed's
-    # flat buckets (more than one rank, a --ddp wrapper), which the .grad are views of.
-    persistent = p.sharding == "zero1" or (N > 1 and p.sharding not in ("zero2", "fsdp"))
+    elif p.ddp == "torch":  # DistributedDataParallel's bucket copy of the gradients
+        buffers = 4 * n
+    # Gradients that outlive the step: zero1 stage 1's full buffer (more than one rank),
+    # and DDPBucketed's and DistributedDataParallel's buckets.
+    persistent = (p.sharding == "zero1" and N > 1) or p.ddp in ("bucketed", "torch")
     half = p.precision != "fp32"
     casts = 2 * counts["matmul"] if half and not p.compile else 0.0
     tokens = p.micro_batch * c.context_length
@@ -459,7 +481,7 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "parameters": counts["total"],
         "world_size": p.world_size, "gpus_per_node": p.gpus_per_node, "nodes": p.nodes,
         "batch_size": p.batch_size, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
-        "precision": p.precision, "sharding": p.sharding,
+        "precision": p.precision, "sharding": p.sharding, "ddp": p.ddp,
         "activation_checkpointing": p.activation_checkpointing, "compile": p.compile,
         "memory_bytes": items,
         "peak_gib": items["peak"] / GIB,
