@@ -140,3 +140,17 @@ def test_checkpointing_on_ranks_matches_one_process_without_it(world_size, corpu
     assert len(got) == 10
     for name, losses in got.items():
         assert_same_curve(losses, want, rtol=1e-5), name
+
+
+def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
+    from lab2_trainer.mfu import Peak
+
+    s = tiny_settings(corpus_dir, tmp_path, steps=1, activation_checkpointing="full")
+    trainer = Trainer(s.validate(1), DistContext())
+    trainer.peak = Peak("a test peak", 1e12)  # the CPU has none
+    figures = trainer.throughput([(2, 1.0)])
+    ratio = trainer.hardware_flops_per_token / trainer.flops_per_token
+    assert ratio > 1.2
+    assert figures["hfu"] == pytest.approx(figures["mfu"] * ratio)
+    assert "activation checkpointing full" in trainer.setup_line()
+    assert "HFU" in trainer.describe(1.0)
