@@ -279,6 +279,18 @@ def test_plan_says_whether_it_fits():
 
 
 # ------------------------------------------------------------------------------ CLI
+def test_plan_command_plots_step_time_and_memory_against_gpus(capsys, tmp_path):
+    png = tmp_path / "scaling.png"
+    assert main(["plan", "--preset", "small", "--per-rank-batch", "4", "--precision", "bf16",
+                 "--plot", str(png), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    gpus = sorted({r["gpus"] for r in result["scaling"]})
+    assert gpus[0] == 1 and gpus[-1] == 512
+    one = [r for r in result["scaling"] if r["gpus"] == 1]
+    assert len({round(r["step_s"], 9) for r in one}) == 1  # nothing to send alone
+
+
 def test_plan_command_prints_a_table_and_json(capsys):
     assert main(["plan", "--preset", "xl", "--vocab-size", "10000", "--precision", "bf16",
                  "--compile", "--gpus-per-node", "8", "--per-rank-batch", "8",
@@ -300,6 +312,8 @@ def test_plan_command_prints_a_table_and_json(capsys):
     (["--efficiency", "1.5"], "--efficiency must be in (0, 1]"),
     (["--nvlink-gbs", "nan"], "--nvlink-gbs must be a finite number"),
     (["--sharding", "zero3"], "invalid choice"),
+    (["--plot", "/nonexistent-folder/plan.png"], "is not a folder"),
+    (["--sharding", "zero2", "--ddp", "bucketed"], "averages gradients itself"),
 ])
 def test_plan_refuses_bad_input_in_one_line(capsys, argv, fragment):
     try:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import FFN_KINDS, NORM_KINDS, PRESETS, model_config
@@ -26,6 +27,9 @@ from lab2_trainer.settings import (
 )
 
 EXIT_BAD_INPUT = 2
+#: GPU counts of ``--plot``, and the GPUs a node beyond the first.
+SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+GPUS_PER_NODE = 8
 MODEL_FIELDS = {"d_model": int, "n_layers": int, "n_heads": int, "d_ff": int,
                 "vocab_size": int, "context_length": int}
 #: Hardware flags: (field, help).
@@ -87,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also a row for every sharding kind x checkpointing kind")
     p.add_argument("--json", action="store_true", help="print the plan as JSON only")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw step time and peak memory against the GPU count (1 to "
+                   f"{max(SCALING_GPUS)}, {GPUS_PER_NODE} a node, this plan's per-rank "
+                   "batch) for every sharding kind")
     return p
 
 
@@ -136,6 +144,55 @@ def compare_rows(p: PlanInput) -> list[dict[str, Any]]:
                          "mfu": result["time"]["mfu"],
                          "scaling_efficiency": result["time"]["scaling_efficiency"]})
     return rows
+
+
+def scaling_rows(p: PlanInput) -> list[dict[str, Any]]:
+    """Plans at every count of :data:`SCALING_GPUS` (:data:`GPUS_PER_NODE` a node once
+    there are more), every sharding kind, this plan's micro-batch and the rest kept."""
+    rows = []
+    for gpus in SCALING_GPUS:
+        per_node = min(gpus, GPUS_PER_NODE)
+        for sharding in SHARDING_KINDS:
+            q = dataclasses.replace(p, gpus_per_node=per_node, nodes=gpus // per_node,
+                                    batch_size=p.micro_batch * gpus * p.grad_accum,
+                                    sharding=sharding, ddp=None)
+            result = plan(q)
+            rows.append({"gpus": gpus, "sharding": sharding, "peak_gib": result["peak_gib"],
+                         "step_s": result["time"]["step_s"],
+                         "scaling_efficiency": result["time"]["scaling_efficiency"]})
+    return rows
+
+
+def draw(rows: list[dict[str, Any]], path: str, title: str, gpu_memory_gib: float) -> None:
+    """Step time and peak memory against the GPU count, a line per sharding kind, written
+    atomically to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lab2bench.records import atomic_write
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for sharding in SHARDING_KINDS:
+        mine = [r for r in rows if r["sharding"] == sharding]
+        gpus = [r["gpus"] for r in mine]
+        ax_t.plot(gpus, [r["step_s"] * 1e3 for r in mine], "o-", label=sharding, ms=3)
+        ax_m.plot(gpus, [r["peak_gib"] for r in mine], "o-", label=sharding, ms=3)
+    for ax, label in ((ax_t, "step time (ms), prediction"), (ax_m, "peak memory per GPU "
+                                                                   "(GiB), prediction")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax_m.axhline(gpu_memory_gib, color="gray", ls="--", lw=1, label="GPU memory")
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    finally:
+        plt.close(fig)
 
 
 def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
@@ -210,14 +267,26 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train plan``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
+        if args.plot is not None:
+            folder = Path(args.plot).expanduser().resolve().parent
+            if not folder.is_dir():
+                raise ValueError(f"--plot {args.plot}: {folder} is not a folder")
         p = plan_input(args)
         result = plan(p)
         rows = compare_rows(p) if args.compare else None
+        scaling = scaling_rows(p) if args.plot else None
     except ValueError as exc:
         print(f"lab2-train plan: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     if rows is not None:
         result["compare"] = rows
+    if scaling is not None:
+        result["scaling"] = scaling
+        m = result["model"]
+        draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, {m['n_layers']} "
+             f"layers, {result['micro_batch']} x {m['context_length']} tokens per GPU, "
+             f"{result['precision']}, checkpointing {result['activation_checkpointing']}",
+             result["gpu_memory_gib"])
     if args.json:
         print(json.dumps(result, indent=2))
     else:
