@@ -154,3 +154,25 @@ def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
     assert figures["hfu"] == pytest.approx(figures["mfu"] * ratio)
     assert "activation checkpointing full" in trainer.setup_line()
     assert "HFU" in trainer.describe(1.0)
+
+
+def test_selective_falls_back_to_every_other_block_without_the_policy_api(monkeypatch):
+    import lab2_trainer.checkpointing as ac
+
+    monkeypatch.setattr(ac, "has_op_policy", lambda: False)
+    monkeypatch.setattr(ac, "_warned", False)
+    assert ac.selective_kind() == "every-other-block"
+    assert recomputed_blocks("selective", 3) == 2
+    config = ModelConfig(context_length=8, d_model=16, n_layers=3, n_heads=2, d_ff=32)
+    x = torch.randint(0, config.vocab_size, (2, 8))
+    grads = {}
+    for kind in ("none", "selective"):
+        model = TransformerLM(config, activation_checkpointing=kind)
+        if kind == "selective":
+            with pytest.warns(UserWarning, match="every other block"):
+                loss = model(x, x)[1]
+        else:
+            loss = model(x, x)[1]
+        loss.backward()
+        grads[kind] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.equal(grads["none"], grads["selective"])
