@@ -96,7 +96,12 @@ def branches_rank(rank: int, world_size: int) -> dict:
             (a, b), (c, d) = halves(start, end)
             with ddp.no_sync():
                 (kit.summed_loss("branchy", ddp(x[a:b], even), y[a:b]) * scale).backward()
-                ddp.finish_gradient_synchronization()  # a no-op inside no_sync
+                try:  # refused inside no_sync, leaving the accumulation as it was
+                    ddp.finish_gradient_synchronization()
+                except RuntimeError:
+                    pass
+                else:
+                    raise AssertionError("finish inside no_sync did not raise")
                 assert not ddp._handles, "no_sync launched a collective"
             (kit.summed_loss("branchy", ddp(x[c:d], not even), y[c:d]) * scale).backward()
             ddp.finish_gradient_synchronization()
@@ -247,6 +252,34 @@ def gradient_order_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+def finish_in_no_sync_rank(rank: int, world_size: int) -> dict:
+    """Each overlapping wrapper asked to finish inside ``no_sync``: the error it raises,
+    then the gradients after the step finished properly (one no_sync backward, one
+    synchronized)."""
+    torch.set_num_threads(1)
+    (x, y), = kit.make_batches("mlp", GUARD_SEED, 1, 2 * world_size)
+    out: dict = {}
+    for name, make in (("DDPBucketed", lambda m: DDPBucketed(m, 1e-9)),
+                       ("DDPIndividualParameters", DDPIndividualParameters)):
+        model = kit.build_model("mlp", GUARD_SEED + rank)  # broadcast from rank 0
+        ddp = make(model)
+        message = None
+        with ddp.no_sync():
+            kit.summed_loss("mlp", ddp(x[2 * rank : 2 * rank + 1]), y[2 * rank : 2 * rank + 1]
+                            ).backward()
+            try:
+                ddp.finish_gradient_synchronization()
+            except RuntimeError as error:
+                message = str(error)
+        kit.summed_loss("mlp", ddp(x[2 * rank + 1 : 2 * rank + 2]),
+                        y[2 * rank + 1 : 2 * rank + 2]).backward()
+        ddp.finish_gradient_synchronization()
+        out[name] = {"message": message,
+                     "grads": {n: None if q.grad is None else q.grad.clone()
+                               for n, q in model.named_parameters()}}
+    return out
+
+
 # ---- where gradients live during backward ----
 def gradient_home_rank(rank: int, world_size: int) -> dict:
     """Which ``.grad`` tensors are bucket views at three points of a step.
@@ -328,7 +361,7 @@ def dead_peer_rank(rank: int, world_size: int) -> dict:
 
 # ---- the averaging collective ----
 def averaging_rank(rank: int, world_size: int, seed: int) -> dict:
-    from minddp.averaging import Averager
+    from minddp import Averager
 
     averager = Averager()
     out = {"native": averager.native_average, "world_size": averager.world_size}

@@ -1,4 +1,4 @@
-"""minddp.averaging.Averager: the in-place asynchronous all-reduce leaves the mean."""
+"""minddp.Averager: the in-place asynchronous all-reduce leaves the mean."""
 
 from __future__ import annotations
 

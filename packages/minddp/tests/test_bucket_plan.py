@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minddp import BUCKET_RULES, TensorInfo, assign_buckets
-from minddp.bucket_plan import validate_bucket_size_mb
+from minddp import (
+    BUCKET_RULES,
+    TensorInfo,
+    adopt_gradients,
+    assign_buckets,
+    validate_bucket_size_mb,
+)
 
 MIB = 2**20
 
@@ -119,3 +125,24 @@ def test_unknown_rule_is_refused():
     assert BUCKET_RULES == ("at_most", "reach")
     with pytest.raises(ValueError, match="bucket_rule"):
         assign_buckets([TensorInfo(1, 4, "g")], 1.0, rule="over")
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_adopt_gradients_points_every_grad_at_its_view_keeping_its_value(whole):
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(2, 3, generator=g)) for _ in range(3)]
+    buffer = torch.full((18,), 7.0)
+    views = [buffer[6 * i : 6 * i + 6].view(2, 3) for i in range(3)]
+    fresh = torch.randn(2, 3, generator=g)
+    params[0].grad = fresh.clone()  # a gradient held elsewhere: copied in
+    params[2].grad = views[2]  # already the view: left as it is
+    missing = adopt_gradients(params, views, buffer if whole else None)
+    assert missing == [1]
+    assert all(p.grad is v for p, v in zip(params, views))
+    assert torch.equal(views[0], fresh)
+    assert torch.equal(views[1], torch.zeros(2, 3))
+    assert torch.equal(views[2], torch.full((2, 3), 7.0))
+    for p in params:
+        p.grad = None
+    assert adopt_gradients(params, views, buffer if whole else None) == [0, 1, 2]
+    assert torch.equal(buffer, torch.zeros(18))

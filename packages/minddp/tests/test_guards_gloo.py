@@ -56,6 +56,27 @@ def test_a_given_gradient_order_launches_as_the_learned_one(world_size):
             assert "finish_gradient_synchronization" in res["errors"][1]
 
 
+def test_finish_inside_no_sync_raises_and_the_step_still_averages(world_size):
+    # Nothing is averaged inside no_sync, so a finish call there is refused by name; the
+    # refused call changes nothing: the step then finishes as if it had not been made.
+    results = run_ranks(programs.finish_in_no_sync_rank, world_size, timeout=120)
+    model = kit.build_model("mlp", programs.GUARD_SEED)
+    (x, y), = kit.make_batches("mlp", programs.GUARD_SEED, 1, 2 * world_size)
+    (kit.summed_loss("mlp", model(x), y) / world_size).backward()  # the ranks' average
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    for rank, got in enumerate(results):
+        for wrapper, res in got.items():
+            message = res["message"]
+            assert message is not None, f"rank {rank}: {wrapper} finished inside no_sync"
+            assert wrapper in message and "no_sync()" in message, message
+            for name, want in reference.items():
+                grad = res["grads"][name]
+                assert (grad is None) == (want is None), (rank, wrapper, name)
+                if want is not None:
+                    err = float((grad - want).norm() / want.norm().clamp_min(1e-30))
+                    assert err < 1e-12, f"{wrapper} rank {rank}: {name} off by {err:.2e}"
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
 def test_bucket_size_must_be_positive(bad):
     with pytest.raises(ValueError, match="bucket_size_mb"):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from minddp.flatten import flatten_tensors, group_by_dtype_device, unflatten_into
 from minddp.model_check import first_mismatch, model_signature
 
 
@@ -39,14 +37,3 @@ def test_first_mismatch_names_the_first_difference():
     unfrozen = _model()
     unfrozen.requires_grad_(True)
     assert "requires_grad=True" in first_mismatch(a, model_signature(unfrozen))
-
-
-def test_flatten_round_trip_and_grouping():
-    tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 1, 2)]
-    flat = flatten_tensors(tensors)
-    assert flat.shape == (12,)
-    targets = [torch.empty_like(t) for t in tensors]
-    unflatten_into(flat, targets)
-    assert all(torch.equal(a, b) for a, b in zip(tensors, targets))
-    mixed = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
-    assert group_by_dtype_device(mixed) == [[0, 2], [1]]

@@ -174,14 +174,7 @@ def tiny_rank(rank: int, world_size: int) -> dict:
         opt = Broadcasting(groups(model), cls, **kwargs)
         plain = cls(groups(ref), **kwargs)
         assert len(opt.local_optimizer.param_groups) == 2
-        for step in range(10):
-            x, y = _batch(step, out=1)
-            opt.zero_grad()
-            _backward_averaged(model, x, y, rank, world_size)
-            opt.step()
-            plain.zero_grad()
-            _loss(ref, x, y).backward()
-            plain.step()
+        _train_steps(model, opt, ref, plain, 10, 0, rank, world_size, out=1)
         out[cls.__name__] = {
             "err": _max_rel_err(model, ref),
             "params": _flat(model),
@@ -257,10 +250,11 @@ def _property_case(shapes: list[tuple[int, ...]], split: int) -> dict:
     return out
 
 
-def _train_steps(model, opt, ref, plain, steps, start, rank, world_size, scheds=()) -> None:
+def _train_steps(model, opt, ref, plain, steps, start, rank, world_size, scheds=(),
+                 out: int = 3) -> None:
     """Sharded on this rank's slice (grads averaged) and plain on the full batch."""
     for step in range(start, start + steps):
-        x, y = _batch(step)
+        x, y = _batch(step, out=out)
         opt.zero_grad()
         _backward_averaged(model, x, y, rank, world_size)
         opt.step()

@@ -11,7 +11,7 @@ import torch
 
 from lab2_testing.dist import run_ranks
 from zero1 import ShardedOptimizer
-from zero1.state_check import check_state_dict
+from zero1.checkpoint import check_state_dict
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -353,26 +353,37 @@ def test_checkpoints_move_between_world_sizes_and_to_a_plain_optimizer(world_siz
 
 
 # ---------------------------------------------------------------------------- add_param_group
-def _add_group_rank(rank: int, world: int, stage: int) -> dict:
-    """The unused layer joins mid-training; an LR scheduler edits the groups."""
-    torch.set_num_threads(1)
-    model = Net()
+def _never_and_early(model: Net) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     never = list(model.never.parameters())
-    early = [p for p in model.parameters() if all(p is not q for q in never)]
-    opt = ShardedOptimizer(early, torch.optim.AdamW, stage=stage,
-                           bucket_size_mb=SMALL_BUCKETS_MB, lr=0.01)
+    return never, [p for p in model.parameters() if all(p is not q for q in never)]
+
+
+def _add_group_steps(model: Net, opt: torch.optim.Optimizer, never, slice_loss) -> None:
+    """Five steps; the unused layer joins at step 2; StepLR halves the lr every 2 steps."""
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for step in range(5):
         if step == 2:
             opt.add_param_group({"params": never, "lr": 0.03})
         x, y = _batch(step)
-        loss = _slice_loss(model, x, y, rank, world, step)
+        loss = slice_loss(x, y, step)
         if step >= 2:
+            # Every rank adds the same term over its share: the same total as one process.
             loss = loss + model.never(model.emb(x[:1])).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()
+
+
+def _add_group_rank(rank: int, world: int, stage: int) -> dict:
+    """The unused layer joins mid-training; an LR scheduler edits the groups."""
+    torch.set_num_threads(1)
+    model = Net()
+    never, early = _never_and_early(model)
+    opt = ShardedOptimizer(early, torch.optim.AdamW, stage=stage,
+                           bucket_size_mb=SMALL_BUCKETS_MB, lr=0.01)
+    _add_group_steps(model, opt, never,
+                     lambda x, y, step: _slice_loss(model, x, y, rank, world, step))
     return {"params": [p.detach().clone() for p in model.parameters()],
             "lrs": [g["lr"] for g in opt.param_groups]}
 
@@ -381,23 +392,10 @@ def _add_group_rank(rank: int, world: int, stage: int) -> dict:
 def test_add_param_group_and_schedulers(world_size, stage):
     results = run_ranks(_add_group_rank, world_size, stage, timeout=120, pg_timeout=60)
     model = Net()
-    never = list(model.never.parameters())
-    early = [p for p in model.parameters() if all(p is not q for q in never)]
+    never, early = _never_and_early(model)
     opt = torch.optim.AdamW(early, lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    for step in range(5):
-        if step == 2:
-            opt.add_param_group({"params": never, "lr": 0.03})
-        x, y = _batch(step)
-        loss = sum(_slice_loss(model, x, y, r, world_size, step)
-                   for r in range(world_size)) / world_size
-        if step >= 2:
-            # Every rank adds the same term over its share: the same total here.
-            loss = loss + model.never(model.emb(x[:1])).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+    _add_group_steps(model, opt, never, lambda x, y, step: sum(
+        _slice_loss(model, x, y, r, world_size, step) for r in range(world_size)) / world_size)
     for got in results:
         assert got["lrs"] == [g["lr"] for g in opt.param_groups]
         for p, q in zip(got["params"], model.parameters()):

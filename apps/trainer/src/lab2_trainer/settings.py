@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab2_trainer.config import ModelConfig, check_fields, check_value, setting
+from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 
 DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
 SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
@@ -24,8 +25,6 @@ SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
 SELF_REDUCING = ("zero1", "zero2", "fsdp")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-#: How ``bucket_mb`` cuts minddp's buckets (``minddp.BUCKET_RULES``; a test holds them equal).
-BUCKET_RULES = ("at_most", "reach")
 #: Which thread runs backward (``TrainSettings.backward_thread``).
 BACKWARD_THREADS = ("caller", "autograd")
 #: What the backward recomputes (``TrainSettings.activation_checkpointing``).

@@ -185,7 +185,7 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
     extra = sorted(set(saved) - set(expected))
     if extra:
         raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
-    from zero1.state_check import check_state_dict, dry_run_load
+    from zero1.checkpoint import check_state_dict, dry_run_load
 
     opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
                             betas=(settings.beta1, settings.beta2), eps=1e-8)

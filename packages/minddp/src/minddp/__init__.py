@@ -7,19 +7,48 @@ Four ways to average gradients across ranks, in order of speed:
 * :class:`DDPIndividualParameters`: per-parameter asynchronous all-reduces during backward.
 * :class:`DDPBucketed`: bucketed asynchronous all-reduces during backward, gradients as
   views into the bucket buffers.
+
+Modules: :mod:`minddp.allreduce` (the two baselines), :mod:`minddp.individual`,
+:mod:`minddp.bucketed` (with the bucket plan), :mod:`minddp.overlap` (what both overlapping
+wrappers share), :mod:`minddp.comm` (process-group queries, averaging, broadcasting a
+module), :mod:`minddp.model_check` (checks that every rank holds the same model).
+
+The names below are imported on first use, so that reading :data:`BUCKET_RULES` (a
+command line's ``--help``) does not import torch.
 """
 
-from minddp._bulk import copy_all, zero_all
-from minddp.allreduce import all_reduce_gradients
-from minddp.averaging import Averager
-from minddp.broadcast import broadcast_module
-from minddp.bucket_plan import BUCKET_RULES, TensorInfo, assign_buckets
-from minddp.bucketed import DDPBucketed
-from minddp.individual import DDPIndividualParameters
-from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
-from minddp.stats import SyncStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.4.1"
+
+#: How a cap cuts buckets: "at_most" never lets a bucket pass the cap (a parameter that
+#: would push it past opens the next one); "reach" closes a bucket once it reaches the
+#: cap, so each holds at least the cap but the last of a group, up to one parameter over
+#: it (PyTorch DDP's rule, which makes about half as many buckets).
+BUCKET_RULES = ("at_most", "reach")
+
+# The module that defines each public name.
+_HOMES = {
+    "Averager": "comm",
+    "DDPBucketed": "bucketed",
+    "DDPIndividualParameters": "individual",
+    "ModelMismatchError": "model_check",
+    "SyncStats": "overlap",
+    "TensorInfo": "bucketed",
+    "adopt_gradients": "bucketed",
+    "all_reduce_gradients": "allreduce",
+    "assign_buckets": "bucketed",
+    "broadcast_module": "comm",
+    "check_model_consistency": "model_check",
+    "copy_all": "comm",
+    "model_signature": "model_check",
+    "validate_bucket_rule": "bucketed",
+    "validate_bucket_size_mb": "bucketed",
+    "zero_all": "comm",
+}
 
 __all__ = [
     "BUCKET_RULES",
@@ -29,11 +58,42 @@ __all__ = [
     "ModelMismatchError",
     "SyncStats",
     "TensorInfo",
+    "adopt_gradients",
     "all_reduce_gradients",
     "assign_buckets",
     "broadcast_module",
     "check_model_consistency",
     "copy_all",
     "model_signature",
+    "validate_bucket_rule",
+    "validate_bucket_size_mb",
     "zero_all",
 ]
+
+if TYPE_CHECKING:
+    from minddp.allreduce import all_reduce_gradients
+    from minddp.bucketed import (
+        DDPBucketed,
+        TensorInfo,
+        adopt_gradients,
+        assign_buckets,
+        validate_bucket_rule,
+        validate_bucket_size_mb,
+    )
+    from minddp.comm import Averager, broadcast_module, copy_all, zero_all
+    from minddp.individual import DDPIndividualParameters
+    from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
+    from minddp.overlap import SyncStats
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'minddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"minddp.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

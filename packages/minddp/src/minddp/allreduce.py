@@ -6,9 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp._group import group_size, trainable_parameters
-from minddp.flatten import group_by_dtype_device
-from minddp.model_check import check_signature_agrees, gradient_signature
+from minddp.comm import group_by_dtype_device, group_size
+from minddp.model_check import check_signature_agrees, gradient_signature, trainable_parameters
 
 
 @torch.no_grad()

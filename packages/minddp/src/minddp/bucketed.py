@@ -1,26 +1,157 @@
-"""Data parallelism with gradients packed into flat buckets, each all-reduced when full."""
+"""Data parallelism with gradients packed into flat buckets, each all-reduced when full.
+
+First the bucket plan (which parameters share a bucket: pure logic, no communication,
+also what zero1's buckets follow), then the wrapper, :class:`DDPBucketed`.
+"""
 
 from __future__ import annotations
 
-import time
+import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp._bulk import copy_all, zero_all
-from minddp._group import trainable_parameters
-from minddp._step import StepState
-from minddp._wrapper import DataParallelWrapper
-from minddp.bucket_plan import (
-    TensorInfo,
-    assign_buckets,
-    validate_bucket_rule,
-    validate_bucket_size_mb,
-)
+from minddp import BUCKET_RULES
+from minddp.comm import copy_all, zero_all
+from minddp.model_check import trainable_parameters
+from minddp.overlap import DataParallelWrapper, StepState
+
+# ------------------------------------------------------------------ bucket plan
+# Decide which parameters share a bucket (pure logic, no communication).
+_MIB = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """What bucketing needs to know about one parameter.
+
+    Attributes:
+        numel: number of elements.
+        element_size: bytes per element.
+        group: tensors of different groups (dtype and device) never share a bucket.
+    """
+
+    numel: int
+    element_size: int
+    group: Hashable
+
+
+def validate_bucket_size_mb(bucket_size_mb: float | None) -> float | None:
+    """Return ``bucket_size_mb`` if it is None or a finite positive number, else raise."""
+    if bucket_size_mb is None:
+        return None
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+        raise TypeError(f"bucket_size_mb must be a number or None, got {bucket_size_mb!r}")
+    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
+        raise ValueError(f"bucket_size_mb must be positive and finite, got {bucket_size_mb}")
+    return float(bucket_size_mb)
+
+
+def validate_bucket_rule(rule: str) -> str:
+    """Return ``rule`` if it is one of :data:`BUCKET_RULES`, else raise ``ValueError``."""
+    if rule not in BUCKET_RULES:
+        raise ValueError(f"bucket_rule must be one of {', '.join(BUCKET_RULES)}, got {rule!r}")
+    return rule
+
+
+def assign_buckets(
+    infos: Sequence[TensorInfo],
+    bucket_size_mb: float | None,
+    order: Sequence[int] | None = None,
+    rule: str = "at_most",
+) -> list[list[int]]:
+    """Group parameter indices into buckets, walking the parameters in ``order``.
+
+    ``order`` is the order gradients are expected in. By default it is reverse
+    registration order (backward roughly reverses forward), so the first bucket is
+    the first to fill.
+
+    Rules: a bucket holds one group only (dtype/device); with ``rule="at_most"``
+    adding a parameter that would push a bucket past ``bucket_size_mb`` MiB closes it
+    and opens a new one, so a parameter larger than the cap sits alone; with
+    ``rule="reach"`` a bucket closes as soon as it holds ``bucket_size_mb`` MiB or
+    more; None means no cap (one bucket per group).
+
+    Args:
+        infos: one entry per parameter, in registration order.
+        bucket_size_mb: cap per bucket in MiB (2**20 bytes), or None.
+        order: a permutation of ``range(len(infos))``; None: reverse registration order.
+        rule: "at_most" or "reach" (:data:`BUCKET_RULES`).
+
+    Returns:
+        Buckets of indices into ``infos``, each listed in ``order``, the buckets sorted
+        by where their first member comes in ``order``.
+    """
+    cap = validate_bucket_size_mb(bucket_size_mb)
+    reach = validate_bucket_rule(rule) == "reach"
+    cap_bytes = None if cap is None else cap * _MIB
+    if order is None:
+        order = list(reversed(range(len(infos))))
+    elif sorted(order) != list(range(len(infos))):
+        raise ValueError(f"order must be a permutation of range({len(infos)}), got {order}")
+    position = {index: pos for pos, index in enumerate(order)}
+    open_bucket: dict[Hashable, tuple[list[int], int]] = {}
+    closed: list[list[int]] = []
+    for i in order:
+        info = infos[i]
+        nbytes = info.numel * info.element_size
+        members, size = open_bucket.get(info.group, ([], 0))
+        if not reach and members and cap_bytes is not None and size + nbytes > cap_bytes:
+            closed.append(members)
+            members, size = [], 0
+        members.append(i)
+        size += nbytes
+        if reach and cap_bytes is not None and size >= cap_bytes:
+            closed.append(members)
+            members, size = [], 0
+        open_bucket[info.group] = (members, size)
+    closed.extend(members for members, _ in open_bucket.values() if members)
+    closed.sort(key=lambda members: position[members[0]])
+    return closed
+
+
+# ------------------------------------------------------------------ gradients as views
+def adopt_gradients(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
+                    whole: torch.Tensor | None = None) -> list[int]:
+    """Make every parameter's ``.grad`` its view (into a bucket), keeping what it holds.
+
+    A gradient autograd created fresh (``.grad`` was None before backward) or one the
+    user assigned is copied into the view, all of them in one call; a view autograd
+    accumulated into in place stays. A parameter without a gradient gets zeros: with
+    one fill of ``whole`` (a tensor covering every view) when none of them has one.
+
+    Returns:
+        The positions in ``params`` of the parameters that had no gradient.
+    """
+    stale: list[torch.Tensor] = []
+    fresh: list[torch.Tensor] = []
+    empty: list[torch.Tensor] = []
+    missing: list[int] = []
+    for j, (p, view) in enumerate(zip(params, views)):
+        grad = p.grad
+        if grad is view:
+            continue
+        if grad is None:
+            empty.append(view)
+            missing.append(j)
+        else:
+            stale.append(view)
+            fresh.append(grad)
+        p.grad = view
+    if fresh:
+        copy_all(stale, fresh)
+    if empty:
+        if whole is not None and len(empty) == len(views):
+            whole.zero_()  # one fill for the bucket
+        else:
+            zero_all(empty)
+    return missing
+
+
+# ------------------------------------------------------------------ the wrapper
 @dataclass
 class _Bucket:
     """One flat buffer: the members' gradients back to back, then one used flag each."""
@@ -57,13 +188,13 @@ class DDPBucketed(DataParallelWrapper):
     collective are per bucket (see ``benchmarks/host_time.py``).
 
     Ordering guarantee. When the last member of a bucket gets its gradient, the
-    bucket's asynchronous averaging all-reduce starts (:mod:`minddp.averaging`), but
+    bucket's asynchronous averaging all-reduce starts (:class:`minddp.Averager`), but
     only once every earlier bucket has started: bucket i never goes out before
     bucket i-1. The bucket order is the same on every rank, so all ranks issue the
     same collectives in the same order even when their backward passes differ. The
     first step uses buckets cut along reverse registration order; after it, the
     buckets are rebuilt once along the order rank 0 saw gradients arrive in
-    (broadcast, so all ranks agree; see :mod:`minddp.launch_order`), as PyTorch's
+    (broadcast, so all ranks agree; see :func:`minddp.overlap.agree_on_order`), as PyTorch's
     DDP does, so that bucket 0 really is the first to fill.
 
     Unused parameters. A bucket with a member that got no gradient (on this rank, or
@@ -93,7 +224,7 @@ class DDPBucketed(DataParallelWrapper):
 
     Attributes:
         bucket_parameter_names: the parameter names of each bucket, in launch order.
-        last_sync_stats: a :class:`~minddp.stats.SyncStats` for the last finish call.
+        last_sync_stats: a :class:`~minddp.SyncStats` for the last finish call.
     """
 
     def __init__(
@@ -209,35 +340,11 @@ class DDPBucketed(DataParallelWrapper):
             )
 
     def _adopt_gradients(self, step: StepState, bucket: _Bucket) -> None:
-        """Make every member's ``.grad`` its bucket view, keeping what it holds.
-
-        A gradient autograd created fresh (``.grad`` was None before backward) or one
-        the user assigned is copied into the view, all of the bucket's in one call; a
-        view autograd accumulated into in place stays. A member without a gradient
-        gets zeros.
-        """
-        stale: list[torch.Tensor] = []
-        fresh: list[torch.Tensor] = []
-        missing: list[torch.Tensor] = []
+        """Make every member's ``.grad`` its bucket view, keeping what it holds
+        (:func:`adopt_gradients`); note the members that had none."""
         zero_filled = step.zero_filled
-        for index, p, view in zip(bucket.members, bucket.params, bucket.views):
-            grad = p.grad
-            if grad is view:
-                continue
-            if grad is None:
-                missing.append(view)
-                zero_filled[index] = True
-            else:
-                stale.append(view)
-                fresh.append(grad)
-            p.grad = view
-        if fresh:
-            copy_all(stale, fresh)
-        if missing:
-            if len(missing) == len(bucket.members):
-                bucket.grads.zero_()  # one fill for the bucket
-            else:
-                zero_all(missing)
+        for j in adopt_gradients(bucket.params, bucket.views, bucket.grads):
+            zero_filled[bucket.members[j]] = True
 
     def _launch(self, step: StepState, b: int, unused: list[int] | None = None) -> None:
         """Start bucket ``b``'s averaging; its members' ``.grad`` are its views already.
@@ -259,17 +366,8 @@ class DDPBucketed(DataParallelWrapper):
         if plan != self._plan:  # same on every rank: all ranks agreed on ``order``
             self._build_buckets(plan)
 
-    @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        """Launch the buckets still waiting, wait for all; leave averaged gradients.
-
-        Call once per step on every rank, after backward and before the optimizer
-        step (also on a rank whose loss did not touch the model). Inside
-        ``no_sync()`` it does nothing.
-        """
-        if not self._sync_enabled:
-            return
-        start = time.perf_counter()
+    def _finish(self, start: float) -> None:
+        # Launch the buckets still waiting, in order; wait for all.
         step = self._step
         used = step.used
         partly_used = []

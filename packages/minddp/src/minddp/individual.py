@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp._group import trainable_parameters
-from minddp._step import StepState
-from minddp._wrapper import DataParallelWrapper
+from minddp.model_check import trainable_parameters
+from minddp.overlap import DataParallelWrapper, StepState
 
 
 class DDPIndividualParameters(DataParallelWrapper):
@@ -18,7 +15,7 @@ class DDPIndividualParameters(DataParallelWrapper):
 
     Each trainable parameter gets a post-accumulate-grad hook. When its gradient
     is complete, the hook starts an asynchronous all-reduce that averages it in place
-    (see :mod:`minddp.averaging`), so the gradients of late layers travel while
+    (see :class:`minddp.Averager`), so the gradients of late layers travel while
     autograd still computes earlier ones.
 
     Ordering guarantee. Gloo and NCCL pair collectives by the order they are
@@ -27,8 +24,8 @@ class DDPIndividualParameters(DataParallelWrapper):
     a module used in a different order than it was registered changes it. So the
     launch order is fixed: reverse registration order (the usual backward order)
     for the first step, then the order rank 0 saw gradients arrive in during that
-    step (broadcast, so all ranks agree; see :mod:`minddp.launch_order`). A hook
-    only marks its parameter ready; the wrapper then launches the longest ready
+    step (broadcast, so all ranks agree; see :func:`minddp.overlap.agree_on_order`).
+    A hook only marks its parameter ready; the wrapper then launches the longest ready
     prefix of the fixed order. A parameter whose gradient arrives early waits for
     its predecessors; one that never arrives holds back the ones after it until
     ``finish_gradient_synchronization()``, which launches everything left, in
@@ -100,17 +97,8 @@ class DDPIndividualParameters(DataParallelWrapper):
             p.grad = grad
         step.handles.append(self._averager.start(grad))
 
-    @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        """Wait for every gradient all-reduce; leave averaged gradients in ``.grad``.
-
-        Call once per step on every rank, after backward and before the optimizer
-        step (also on a rank whose loss did not touch the model). Inside
-        ``no_sync()`` it does nothing.
-        """
-        if not self._sync_enabled:
-            return
-        start = time.perf_counter()
+    def _finish(self, start: float) -> None:
+        # Launch every all-reduce still waiting, in order, then the used flags; wait.
         step = self._step
         while step.next < len(self._order):
             self._launch(step, self._order[step.next])

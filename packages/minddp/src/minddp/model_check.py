@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp._group import group_size
+from minddp.comm import group_size
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]
 
@@ -101,6 +101,16 @@ def _raise_first_difference(sig: list[Entry], world: int, process_group, what: s
                 "shapes, dtypes and frozen flags) before wrapping it."
             )
     raise ModelMismatchError(f"{what} signatures differ across ranks")  # digest clash
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters that take part in gradient averaging, in registration order.
+
+    ``named_parameters`` already yields a tied (shared) parameter once, under its
+    first name, so each is reduced once. Frozen parameters (``requires_grad=False``)
+    get no gradient and are left out.
+    """
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
 def gradient_signature(module: nn.Module) -> list[Entry]:

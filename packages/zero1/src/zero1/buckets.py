@@ -52,13 +52,15 @@ import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from minddp import TensorInfo, assign_buckets, copy_all, zero_all
+from minddp import TensorInfo, adopt_gradients, assign_buckets, copy_all, zero_all
 
-from .process_group import GroupInfo
+if TYPE_CHECKING:
+    from .sharded_optimizer import GroupInfo
 
 #: How a bucket is reduce-scattered and all-gathered. "tensor": one
 #: ``reduce_scatter_tensor`` and one ``all_gather_into_tensor`` per bucket (NCCL's fast
@@ -315,7 +317,8 @@ class ShardedBuckets:
         params = [self.params[i] for i in bucket.members]
         key = (self._wire_dtype(bucket.params.dtype), bucket.params.device)
         if self.stage == 1:
-            self._adopt(bucket, params)
+            # Every member's .grad becomes its view of the bucket, keeping its value.
+            adopt_gradients(params, bucket.views)
             if not self._rooted:
                 send = bucket.grads
                 if bucket.wire is not None:
@@ -379,25 +382,6 @@ class ShardedBuckets:
         entry = _Reduction(works, bucket, output, accumulate)
         self._pending.append(entry)
         return entry
-
-    def _adopt(self, bucket: _Bucket, params: list[torch.Tensor]) -> None:
-        """Stage 1: make every member's ``.grad`` its view of the bucket, keeping its
-        value (a fresh gradient is copied in; a missing one becomes zeros)."""
-        fresh, targets, missing = [], [], []
-        for p, view in zip(params, bucket.views):
-            grad = p.grad
-            if grad is view:
-                continue
-            if grad is None:
-                missing.append(view)
-            else:
-                fresh.append(grad)
-                targets.append(view)
-            p.grad = view
-        if targets:
-            copy_all(targets, fresh)
-        if missing:
-            zero_all(missing)
 
     def _complete(self, r: _Reduction) -> None:
         """Wait for one reduction and leave its average in the bucket's shard."""

@@ -1,15 +1,22 @@
 """Checking and normalising what users pass as ``params``, before anything is sharded.
 
-Every check here is local and deterministic, so given the same inputs every rank
-raises the same error before the first collective, and nothing hangs.
+Every check here but the last is local and deterministic, so given the same inputs every
+rank raises the same error before the first collective, and nothing hangs. The last,
+:func:`check_same_on_every_rank`, is the first collective: it catches ranks given
+different inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .sharded_optimizer import GroupInfo
 
 # Group keys that describe the parameters themselves, not hyperparameters.
 PARAM_KEYS = ("params", "param_names")
@@ -124,4 +131,30 @@ def check_distinct_and_colocated(
         raise ValueError(
             f"{_WHO}: parameters are on mixed devices ({names}); every parameter must be "
             "on this rank's one device"
+        )
+
+
+def layout_fingerprint(groups: Sequence[Sequence[torch.Tensor]]) -> str:
+    """A short digest of every group's parameter shapes and dtypes."""
+    text = repr([[(tuple(p.shape), str(p.dtype)) for p in params] for params in groups])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_same_on_every_rank(info: GroupInfo, groups: Sequence[Sequence[torch.Tensor]],
+                             what: str) -> None:
+    """Collective: raise ValueError on every rank unless all ranks pass the same layout.
+
+    The partition is computed locally, so ranks given different parameters would
+    disagree on who owns what and then deadlock or corrupt each other's weights.
+    """
+    if info.world_size == 1:
+        return
+    mine = layout_fingerprint(groups)
+    everyone: list[Any] = [None] * info.world_size
+    dist.all_gather_object(everyone, mine, group=info.group)
+    differing = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
+    if differing:
+        raise ValueError(
+            f"ShardedOptimizer.{what}: ranks {differing} passed parameters whose shapes or "
+            "dtypes differ from rank 0's; every rank must pass the same parameters"
         )

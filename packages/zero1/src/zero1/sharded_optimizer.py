@@ -15,30 +15,116 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from minddp.bucket_plan import validate_bucket_rule, validate_bucket_size_mb
+from minddp import validate_bucket_rule, validate_bucket_size_mb
 
-from .accounting import optimizer_state_bytes
 from .buckets import COLLECTIVES, Piece, ShardedBuckets
-from .checkpoint import merge_pieces, pack_param_groups, select_pieces, state_of_pieces
-from .exchange import ParameterExchange
+from .checkpoint import (
+    check_state_dict,
+    dry_run_load,
+    merge_pieces,
+    pack_param_groups,
+    select_pieces,
+    state_of_pieces,
+)
+from .exchange import ParameterExchange, partition_parameters
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
+    check_same_on_every_rank,
     hyperparameters,
     normalize_group,
     normalize_param_groups,
 )
-from .partition import partition_parameters
-from .process_group import check_same_on_every_rank, resolve_group
-from .state_check import check_state_dict, dry_run_load
 
+
+# ------------------------------------------------------------------ the sharding group
+@dataclass(frozen=True)
+class GroupInfo:
+    """This process's view of the group the optimizer shards over.
+
+    Attributes:
+        group: the process group, or None for the default group / no group at all.
+        rank: this process's rank in ``group``.
+        world_size: number of ranks in ``group``.
+        global_ranks: the global rank of each group rank.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+
+
+def resolve_group(process_group: dist.ProcessGroup | None) -> GroupInfo:
+    """Rank and size of ``process_group`` (the default group when None).
+
+    Without an initialised ``torch.distributed`` the optimizer runs alone (one rank,
+    no collectives), unless ``WORLD_SIZE`` says this process is one of several, which
+    almost surely means ``init_process_group`` was forgotten.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise RuntimeError(
+                "ShardedOptimizer: a process_group was given but torch.distributed is not "
+                "initialized"
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError(
+                "ShardedOptimizer: WORLD_SIZE > 1 but torch.distributed is not initialized; "
+                "call torch.distributed.init_process_group first"
+            )
+        return GroupInfo(None, 0, 1, (0,))
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("ShardedOptimizer: this process is not a member of process_group")
+    world_size = dist.get_world_size(process_group)
+    group = process_group if process_group is not None else dist.group.WORLD
+    global_ranks = tuple(dist.get_process_group_ranks(group))
+    return GroupInfo(process_group, rank, world_size, global_ranks)
+
+
+# ------------------------------------------------------------------ state size
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Elements in every tensor of ``optimizer.state`` (step counters included).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; for a ``ShardedOptimizer`` this is
+            the local shard only.
+    """
+    return sum(t.numel() for t in _tensors(dict(optimizer.state)))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes in every tensor of ``optimizer.state`` (step counters included).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; for a ``ShardedOptimizer`` this is
+            the local shard only.
+    """
+    return sum(t.numel() * t.element_size() for t in _tensors(dict(optimizer.state)))
+
+
+# ------------------------------------------------------------------ the optimizer
 #: Optimizers whose update of an element needs more than that element (factored or
 #: matrix-wise statistics, sparse gradients): the bucket path, which steps pieces of
 #: parameters, refuses them; the broadcast path steps whole parameters and takes them.
@@ -560,7 +646,7 @@ class ShardedOptimizer(Optimizer):
         Every rank keeps the state of what it steps and takes the groups'
         hyperparameters. Not a collective, but call it on every rank.
 
-        Everything is checked before anything changes (see :mod:`zero1.state_check`): a
+        Everything is checked before anything changes (see :mod:`zero1.checkpoint`): a
         state dict of the wrong type, layout or optimizer raises, and the optimizer is
         left as it was.
 

@@ -1,5 +1,10 @@
-"""What both overlapping wrappers share: construction checks, forward, no_sync, hooks,
-and the per-step bookkeeping around their collectives."""
+"""What both overlapping wrappers (:mod:`minddp.individual`, :mod:`minddp.bucketed`)
+share: construction checks, forward, ``no_sync``, the gradient hooks, the fixed launch
+order, and the per-step bookkeeping around their collectives.
+
+Sections, in order: the per-step state and the stats of a finish call; agreeing on the
+launch order; the base class.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,116 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp._group import group_size, require_initialized
-from minddp._step import StepState
-from minddp.averaging import Averager
-from minddp.broadcast import broadcast_module
-from minddp.launch_order import agree_on_order
+from minddp.comm import Averager, broadcast_module, global_rank_of, group_size, require_initialized
 from minddp.model_check import check_model_consistency
-from minddp.stats import SyncStats
 
 
+# ------------------------------------------------------------------ per-step state
+# Timing counters a wrapper fills in on every ``finish_gradient_synchronization``.
+@dataclass
+class SyncStats:
+    """What the last ``finish_gradient_synchronization`` call cost.
+
+    Benchmarks read these to compute how much communication stayed exposed after
+    backward (``wait_seconds``, or ``finish_seconds`` including the bookkeeping).
+
+    Attributes:
+        finish_seconds: wall time of the whole ``finish_gradient_synchronization`` call.
+        wait_seconds: part of it spent blocked on outstanding collectives.
+        launched_in_backward: collectives started by gradient hooks during backward.
+        launched_in_finish: collectives that had to wait until the finish call
+            (unused parameters, or hooks that fired out of the fixed order).
+    """
+
+    finish_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    launched_in_backward: int = 0
+    launched_in_finish: int = 0
+
+
+# The bookkeeping of one synchronized step, in a plain object.
+#
+# The wrappers are ``nn.Module``s, and every attribute assignment on a module goes through
+# ``nn.Module.__setattr__`` (checks for parameters, submodules and buffers: about 1 µs
+# each, measured with cProfile). Gradient hooks update this state once per parameter per
+# backward, so it lives here, where an assignment is a slot store.
+class StepState:
+    """What hooks and the finish call update during one synchronized step.
+
+    Args:
+        count: number of trainable parameters.
+        bucket_sizes: members per bucket (bucketed wrapper), else empty.
+
+    Attributes:
+        used: per parameter, a hook fired since the last synchronization (no_sync
+            backwards included).
+        ready: per parameter, a hook fired in the current synchronized backward.
+        zero_filled: per parameter, ``.grad`` was None and zeros were reduced instead.
+        remaining: per bucket, members whose gradient has not arrived yet.
+        handles: work handles of the collectives launched so far, in launch order.
+        next: collectives (parameters or buckets) ``[0, next)`` of the fixed order are
+            launched.
+        launched_in_backward: of those, how many hooks launched.
+        backward_seen: a synchronized backward reached a hook since the last finish.
+    """
+
+    __slots__ = ("used", "ready", "zero_filled", "remaining", "handles", "next",
+                 "launched_in_backward", "backward_seen")
+
+    def __init__(self, count: int, bucket_sizes: list[int]) -> None:
+        self.used = [False] * count
+        self.ready = [False] * count
+        self.zero_filled = [False] * count
+        self.remaining = list(bucket_sizes)
+        self.handles: list[dist.Work] = []
+        self.next = 0
+        self.launched_in_backward = 0
+        self.backward_seen = False
+
+
+# ------------------------------------------------------------------ launch order
+# Agree, once, on the order in which gradients are expected.
+#
+# Both overlapping wrappers launch collectives only along a fixed order, the same
+# on every rank. They start with reverse registration order; after the first
+# synchronized step they switch to the order rank 0 actually saw its gradients
+# arrive in, so a model whose backward does not reverse its registration order (or
+# whose last-registered parameter is unused) still overlaps communication from the
+# second step on. Rank 0's observation is broadcast, so every rank adopts the same
+# order even when their backward passes differed.
+def agree_on_order(
+    observed: list[int], count: int, process_group: dist.ProcessGroup | None
+) -> list[int]:
+    """Rank 0's observed arrival order, completed to a permutation of ``range(count)``.
+
+    Collective: every rank of the group must call it at the same point.
+
+    Args:
+        observed: parameter indices in the order their first gradient arrived here.
+        count: number of parameters.
+        process_group: the group to agree over (default group when None).
+
+    Returns:
+        Rank 0's ``observed``, then the indices it never saw, in reverse order.
+    """
+    if group_size(process_group) > 1:
+        message = [list(observed)]
+        dist.broadcast_object_list(
+            message, src=global_rank_of(process_group, 0), group=process_group
+        )
+        observed = message[0]
+    seen = set(observed)
+    return list(observed) + [i for i in reversed(range(count)) if i not in seen]
+
+
+# ------------------------------------------------------------------ the base class
 class DataParallelWrapper(nn.Module):
     """Base class: holds ``.module``, syncs it at construction, owns the hook plumbing.
 
@@ -30,10 +130,10 @@ class DataParallelWrapper(nn.Module):
     first time in this synchronized backward: count it, launch what can go), may
     implement ``_on_local(step, index)`` (the same inside ``no_sync()``),
     ``_check_again(step, index)`` (the same gradient was accumulated again: raise if it
-    is already on the wire), ``_learn_order(order)`` and
-    ``finish_gradient_synchronization()`` (which ends with ``_end_synchronization``),
+    is already on the wire), ``_learn_order(order)`` and ``_finish(start)`` (the body
+    of ``finish_gradient_synchronization()``, which ends with ``_end_synchronization``),
     and may override ``_bucket_sizes()``. The per-step state is ``self._step``, a
-    :class:`~minddp._step.StepState`.
+    :class:`StepState`.
 
     Host time: the hook runs once per parameter per backward, on the thread that
     launches the backward's kernels, so everything it does delays the GPU when steps
@@ -125,7 +225,29 @@ class DataParallelWrapper(nn.Module):
         """Adopt ``order`` (agreed by every rank) as the gradient arrival order."""
         raise NotImplementedError
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        """Launch what is still waiting, wait for every collective; leave the averaged
+        gradients in ``.grad``.
+
+        Call once per step on every rank, after backward and before the optimizer
+        step (also on a rank whose loss did not touch the model).
+
+        Raises:
+            RuntimeError: called inside ``no_sync()``, where nothing is averaged: call
+                it after the backward that runs outside the context.
+        """
+        if not self._sync_enabled:
+            raise RuntimeError(
+                f"{type(self).__name__}.finish_gradient_synchronization() was called inside "
+                "no_sync(), where gradients only accumulate locally and nothing is averaged; "
+                "call it after the backward that runs outside no_sync()"
+            )
+        self._finish(time.perf_counter())
+
+    def _finish(self, start: float) -> None:
+        """The work of :meth:`finish_gradient_synchronization` (synchronization is on);
+        ends with ``_end_synchronization(start, ...)``."""
         raise NotImplementedError
 
     def _bucket_sizes(self) -> list[int]:
@@ -221,8 +343,8 @@ class DataParallelWrapper(nn.Module):
 
         Gradients accumulate locally; the next backward outside the context,
         followed by ``finish_gradient_synchronization()``, averages the accumulated
-        sum. ``finish_gradient_synchronization()`` called inside the context does
-        nothing.
+        sum. ``finish_gradient_synchronization()`` called inside the context raises
+        ``RuntimeError``.
         """
         previous = self._sync_enabled
         self._sync_enabled = False

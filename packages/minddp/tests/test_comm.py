@@ -1,11 +1,12 @@
-"""minddp._bulk: list-wide copy and zero, with torch's foreach kernels and without."""
+"""minddp.comm without a process group: list-wide copy and zero (with torch's foreach kernels
+and without), and flat packing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minddp import _bulk
+from minddp import comm
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -21,9 +22,9 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 @pytest.fixture(params=["foreach", "loop"])
 def bulk(request, monkeypatch):
     if request.param == "loop":  # what runs on a torch without the foreach ops
-        monkeypatch.setattr(_bulk, "_copy", None)
-        monkeypatch.setattr(_bulk, "_zero", None)
-    return _bulk
+        monkeypatch.setattr(comm, "_copy", None)
+        monkeypatch.setattr(comm, "_zero", None)
+    return comm
 
 
 @pytest.mark.parametrize("count", [1, 4])
@@ -43,3 +44,14 @@ def test_zero_all_zeroes_only_the_views_given(bulk):
     keep[1:3] = False
     keep[7] = False
     assert torch.equal(base[keep], before[keep])
+
+
+def test_flatten_round_trip_and_grouping():
+    tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 1, 2)]
+    flat = comm.flatten_tensors(tensors)
+    assert flat.shape == (12,)
+    targets = [torch.empty_like(t) for t in tensors]
+    comm.unflatten_into(flat, targets)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, targets))
+    mixed = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
+    assert comm.group_by_dtype_device(mixed) == [[0, 2], [1]]
