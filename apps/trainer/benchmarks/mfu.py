@@ -37,9 +37,10 @@ from lab2_trainer.mfu import (
     device_peak,
     matmul_parameters,
     mfu,
+    recompute_flops_per_token,
     training_flops_per_token,
 )
-from lab2_trainer.settings import BACKWARD_THREADS
+from lab2_trainer.settings import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS
 
 STACKS = {  # norm, ddp kind, sharding (the trainer's --ddp and --sharding)
     "ours": ("tritonnorm", "none", "zero1"),
@@ -78,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="device time by kernel family")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING,
+                   default="none", help="recompute in backward (default none); HFU is "
+                   "printed beside MFU")
     p.add_argument("--backward-thread", choices=BACKWARD_THREADS, default="caller",
                    help="the thread that runs backward (default caller, as the trainer does)")
     return p.parse_args()
@@ -95,6 +99,7 @@ def main() -> None:
     config = build_config(args.preset, context_length=args.context_length,
                           vocab_size=args.vocab_size, norm=norm)
     model = build_model(config, device, seed=0)
+    model.activation_checkpointing = args.activation_checkpointing
     if ddp == "none":
         variant = make_sharded_variant(model, sharding, device,
                                        compile={"backend": "inductor", "mode": args.mode})
@@ -125,10 +130,13 @@ def main() -> None:
     tokens_per_s = args.batch_size * args.context_length / (step_ms / 1e3)
     flops = training_flops_per_token(config, matmul_parameters(model))
     util = mfu(tokens_per_s, flops, device_peak(device))
+    hardware = mfu(tokens_per_s, flops + recompute_flops_per_token(
+        config, args.activation_checkpointing), device_peak(device))
     print(f"{args.preset}, batch {args.batch_size} x {args.context_length}, stack "
           f"{args.stack}, {device_label(device)}: step {step_ms:.1f} ms (windows "
           f"{', '.join(f'{w:.1f}' for w in windows)}), {tokens_per_s:,.0f} tokens/s, MFU "
-          + ("n/a" if util is None else f"{100 * util:.1f}%")
+          + ("n/a" if util is None else f"{100 * util:.1f}% (HFU {100 * hardware:.1f}%)")
+          + f", activation checkpointing {args.activation_checkpointing}"
           + f", peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     if args.profile:
         print_profile(step)

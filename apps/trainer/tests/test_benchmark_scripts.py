@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def test_paired_runs_every_kind_of_variant_on_the_cpu():
     variants = ["torch:none", "tritonnorm:bucketed:at_most@autograd", "torch:torch+torch",
-                "tritonnorm:bucketed+zero1"]
+                "tritonnorm:bucketed+zero1-allreduce", "tritonnorm:none+zero2"]
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "paired.py"), "--device", "cpu", "--preset", "micro",
          "--batch-size", "2", "--context-length", "16", "--vocab-size", "64", "--rounds", "2",
@@ -27,3 +28,17 @@ def test_paired_refuses_a_bad_variant():
         [sys.executable, str(SCRIPTS / "paired.py"), "--device", "cpu", "--variants",
          "tritonnorm:ring"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "'ring'" in done.stderr
+
+
+def test_plan_check_measures_and_predicts_on_the_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plan_check.py"), "--device", "cpu", "--out",
+         str(tmp_path), "--warmup", "1", "--steps", "1", "--vocab-size", "64", "--configs",
+         "medium:2x16:eager:none", "medium:2x16:eager:full", "medium:2x16:eager:selective"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "plan_check.jsonl").read_text()
+               .splitlines()]
+    assert [r["config"].split(":")[-1] for r in records] == ["none", "full", "selective"]
+    assert all(r["predicted_peak_gib"] > 0 and r["measured_step_ms"] > 0 for r in records)
+    assert "| medium:2x16:eager:full |" in (tmp_path / "plan_check.md").read_text()

@@ -34,6 +34,24 @@ def test_presets_match_the_handout():
     assert "tiny" in PRESETS
 
 
+@pytest.mark.parametrize(("name", "billions", "shape"), [
+    ("6.7B", 6.7, (4096, 32, 32)),
+    ("13B", 13.0, (5120, 40, 40)),
+])
+def test_gpt3_presets_have_the_tables_shape_and_their_names_parameters(name, billions, shape):
+    from lab2_trainer.validate_inputs import shape_model
+
+    c = model_config(name)  # the config only; the model below has meta tensors, no memory
+    assert (c.d_model, c.n_layers, c.n_heads) == shape
+    assert c.d_ff % 256 == 0 and c.ffn == "swiglu"
+    model = shape_model(c)
+    blocks = model.num_parameters(non_embedding=True) - c.d_model * c.vocab_size  # no LM head
+    # GPT-3's count: 12 d_model^2 per block, and its 50,257-token tied embedding table.
+    total = blocks + (50257 + 2048) * c.d_model
+    assert abs(total / (billions * 1e9) - 1) < 0.03, total
+    assert abs(blocks / (12 * c.n_layers * c.d_model ** 2) - 1) < 0.02
+
+
 def test_overrides_replace_fields_and_none_is_ignored():
     c = model_config("small", n_layers=2, d_ff=None, norm="layernorm")
     assert c.n_layers == 2 and c.d_ff == 3072 and c.norm == "layernorm"

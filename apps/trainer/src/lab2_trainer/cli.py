@@ -319,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from lab2_trainer.plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:

@@ -194,7 +194,10 @@ class ModelConfig:
 
 
 # The course handout's sizes, plus `tiny`, which trains to well below the byte-unigram
-# entropy in a few minutes on 2 CPU cores.
+# entropy in a few minutes on 2 CPU cores. 6.7B and 13B are the GPT-3 table's widths, depths
+# and heads; their SwiGLU width is 8/3 d_model rounded up to a multiple of 256 (the handout's
+# 4 d_model with three SwiGLU matrices would make them 8.6B and 16.8B), so that their
+# parameters match their names as GPT-3's GELU layers of 4 d_model do (12 d_model^2 a block).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=128, d_ff=384, n_layers=3, n_heads=4, context_length=128),
     "small": dict(d_model=768, d_ff=3072, n_layers=12, n_heads=12, context_length=512),
@@ -202,6 +205,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "large": dict(d_model=1280, d_ff=5120, n_layers=36, n_heads=20, context_length=512),
     "xl": dict(d_model=1600, d_ff=6400, n_layers=48, n_heads=25, context_length=512),
     "2.7B": dict(d_model=2560, d_ff=10240, n_layers=32, n_heads=32, context_length=512),
+    "6.7B": dict(d_model=4096, d_ff=11008, n_layers=32, n_heads=32, context_length=512),
+    "13B": dict(d_model=5120, d_ff=13824, n_layers=40, n_heads=40, context_length=512),
 }
 
 

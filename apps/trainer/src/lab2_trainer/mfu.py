@@ -14,6 +14,11 @@ activations, the optimizer and the norms are not counted: MFU measures useful wo
 The peak is the GPU's dense bf16 tensor throughput from the table below, found by the
 device's name; on the CPU or an unknown GPU there is no peak, and MFU is reported as absent
 rather than guessed.
+
+Hardware FLOPs utilisation (HFU) counts what the GPU really computes, recomputation
+included: with activation checkpointing, the recomputed blocks' forward matrix products
+(``2 * N_block + 4 * d_model * context_length`` per block and token) are added to the
+model FLOPs (:func:`recompute_flops_per_token`). Without recomputation HFU equals MFU.
 """
 
 from __future__ import annotations
@@ -87,6 +92,24 @@ def training_flops_per_token(config: ModelConfig, n_matmul_params: int) -> float
     """FLOPs of one token's forward and backward (see the module docstring)."""
     attention = 12 * config.n_layers * config.d_model * config.context_length
     return 6 * n_matmul_params + attention
+
+
+def block_matmul_parameters(config: ModelConfig) -> int:
+    """Parameters of one decoder block's matrix products (attention's four projections and
+    the feed-forward's two or three matrices)."""
+    ffn = 3 if config.ffn == "swiglu" else 2
+    return 4 * config.d_model * config.d_model + ffn * config.d_model * config.d_ff
+
+
+def recompute_flops_per_token(config: ModelConfig, activation_checkpointing: str) -> float:
+    """Forward FLOPs per token that activation checkpointing runs again in backward: the
+    recomputed blocks' matrix products and attention products (none for "none" and for
+    the op-level "selective" policy, which recomputes only elementwise work)."""
+    from lab2_trainer.checkpointing import recomputed_blocks
+
+    blocks = recomputed_blocks(activation_checkpointing, config.n_layers)
+    per_block = 2 * block_matmul_parameters(config) + 4 * config.d_model * config.context_length
+    return float(blocks * per_block)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab2_trainer.checkpointing import check_kind, run_block
 from lab2_trainer.config import ModelConfig
 from lab2_trainer.kv_cache import KVCache, LayerKV
 
@@ -198,11 +199,16 @@ class TransformerLM(nn.Module):
         seed: seed of the weight initialisation; the same seed gives the same weights on
             the same device type, independent of the global random state.
         device: where to build the parameters.
+        activation_checkpointing: "none", "full" or "selective"
+            (:mod:`lab2_trainer.checkpointing`); an attribute of the same name, which may
+            be changed later. It changes what the backward keeps, not the results.
     """
 
-    def __init__(self, config: ModelConfig, *, seed: int = 0, device=None) -> None:
+    def __init__(self, config: ModelConfig, *, seed: int = 0, device=None,
+                 activation_checkpointing: str = "none") -> None:
         super().__init__()
         self.config = config.validate()
+        self.activation_checkpointing = check_kind(activation_checkpointing)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, device=device)
         self.pos_emb = nn.Embedding(config.context_length, config.d_model, device=device)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
@@ -320,8 +326,9 @@ class TransformerLM(nn.Module):
         """The blocks over the embedded input: (residual stream, last block's feed-forward
         output, still to be added by the final norm)."""
         pending = None
-        for block in self.blocks:
-            x, pending = block(x, pending)
+        kind = self.activation_checkpointing
+        for i, block in enumerate(self.blocks):
+            x, pending = run_block(block, i, kind, x, pending)
         return x, pending
 
     @torch.no_grad()

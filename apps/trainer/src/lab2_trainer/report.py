@@ -123,6 +123,8 @@ class RunReporter:
                 f"{record['tokens_per_s']:,.0f} tok/s")
         if record.get("mfu") is not None:
             info += f"  MFU {record['mfu']:.1%}"
+            if record.get("hfu") is not None and record["hfu"] != record["mfu"]:
+                info += f"  HFU {record['hfu']:.1%}"
         if "val_loss" in record:
             self.print(f"step {record['step']:>6}  val loss {record['val_loss']:.4f}  "
                        f"ppl {record['val_ppl']:.2f}")
@@ -192,6 +194,9 @@ class RunReporter:
         if summary.get("mfu") is not None:
             table.add_row("MFU", f"{summary['mfu']:.1%} of {summary['mfu_peak']} "
                                  f"({summary['step_tokens_per_s']:,.0f} tokens/s in steps)")
+            if summary.get("hfu") is not None:
+                table.add_row("HFU", f"{summary['hfu']:.1%} (hardware FLOPs: the model's "
+                                     "and the recomputed forwards)")
         elif "mfu" in summary:
             table.add_row("MFU", "not reported (no known bf16 peak for this device)")
         table.add_row("setup", summary["setup"])

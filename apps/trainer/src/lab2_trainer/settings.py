@@ -27,6 +27,8 @@ SELF_REDUCING = ("zero1", "zero2", "fsdp")
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 #: Which thread runs backward (``TrainSettings.backward_thread``).
 BACKWARD_THREADS = ("caller", "autograd")
+#: What the backward recomputes (``TrainSettings.activation_checkpointing``).
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
@@ -81,6 +83,12 @@ class TrainSettings:
     (PyTorch's default, a worker thread per device). Each rank drives one device, so the
     worker only adds a hand-over, and Python code inside backward (tritonnorm's backward,
     minddp's gradient hooks) runs markedly slower on it."""
+    activation_checkpointing: str = setting("none", choices=ACTIVATION_CHECKPOINTING,
+                                            group="optimisation")
+    """Recompute activations in backward instead of keeping them: "full" reruns every
+    block's forward (least memory, a third more FLOPs), "selective" keeps the matrix
+    products' and attention's outputs and recomputes the norms and the elementwise rest;
+    the losses are the same."""
     seed: int = setting(0, check="seed", group="optimisation")
     """Seed of the weights, the data order and the samples."""
     nproc: int | None = setting(None, check="int>=1", group="parallelism",

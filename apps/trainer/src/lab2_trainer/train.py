@@ -47,6 +47,7 @@ from lab2_trainer.mfu import (
     device_peak,
     matmul_parameters,
     mfu,
+    recompute_flops_per_token,
     training_flops_per_token,
 )
 from lab2_trainer.model import TransformerLM
@@ -127,7 +128,8 @@ class Trainer:
         check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
         self.corpus = load_corpus(s.data, s.vocab_size)
         ckpt = load_checkpoint(s.resume) if s.resume else None
-        self.model = TransformerLM(s.model, seed=s.seed, device=ctx.device)
+        self.model = TransformerLM(s.model, seed=s.seed, device=ctx.device,
+                                   activation_checkpointing=s.activation_checkpointing)
         if ckpt is not None:
             try:
                 self.model.load_state_dict(ckpt["model"])
@@ -136,6 +138,9 @@ class Trainer:
                 raise UsageError(f"checkpoint model does not fit: {reason}") from None
         # Before any sharding: FSDP2 replaces the parameters by their shards.
         self.flops_per_token = training_flops_per_token(s.model, matmul_parameters(self.model))
+        # What the GPU computes: the model's FLOPs plus the recomputed forwards (HFU).
+        self.hardware_flops_per_token = self.flops_per_token + recompute_flops_per_token(
+            s.model, s.activation_checkpointing)
         compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode} if s.compile
                         else None)
         self.parallel = parallelize(
@@ -348,6 +353,8 @@ class Trainer:
         tokens_per_step = self.s.batch_size * self.s.model.context_length
         tokens_per_s = tokens_per_step / seconds
         utilisation = mfu(tokens_per_s, self.flops_per_token, self.peak, self.ctx.world_size)
+        hardware = mfu(tokens_per_s, self.hardware_flops_per_token, self.peak,
+                       self.ctx.world_size)
         records = []
         for (step, lr, _, _), loss, norm in zip(pending, losses, norms):
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
@@ -355,6 +362,7 @@ class Trainer:
                       "tokens_per_s": tokens_per_s}
             if utilisation is not None:
                 record["mfu"] = utilisation
+                record["hfu"] = hardware
             records.append(record)
         return records
 
@@ -368,14 +376,18 @@ class Trainer:
         tokens_per_s = None
         if steps and seconds > 0:
             tokens_per_s = steps * self.s.batch_size * self.s.model.context_length / seconds
-        utilisation = None
+        utilisation = hardware = None
         if tokens_per_s is not None:
             utilisation = mfu(tokens_per_s, self.flops_per_token, self.peak, self.ctx.world_size)
+            hardware = mfu(tokens_per_s, self.hardware_flops_per_token, self.peak,
+                           self.ctx.world_size)
         return {
             "step_tokens_per_s": tokens_per_s,
             "mfu": utilisation,
+            "hfu": hardware,
             "mfu_peak": self.peak_line(),
             "flops_per_token": self.flops_per_token,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
         }
 
     def peak_line(self) -> str | None:
@@ -402,8 +414,18 @@ class Trainer:
                "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
                        f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
+        checkpointing = ("" if s.activation_checkpointing == "none" else
+                         f", activation checkpointing {self._checkpointing_label()}")
         return (f"{ctx.world_size} rank(s), {backend}, {ctx.device.type}, {ddp}, {opt}, "
-                f"norm={s.model.norm}, {s.precision}{self._compile_label()}")
+                f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
+
+    def _checkpointing_label(self) -> str:
+        from lab2_trainer.checkpointing import selective_kind
+
+        kind = self.s.activation_checkpointing
+        if kind == "selective":
+            return f"selective ({selective_kind()})"
+        return kind
 
     def _compile_label(self) -> str:
         s = self.s
@@ -428,7 +450,9 @@ class Trainer:
             f"({s.batch_size // self.ctx.world_size // s.grad_accum} per rank per micro-step, "
             f"grad_accum {s.grad_accum}), {s.steps} steps, lr {s.lr:g} -> {s.min_lr:g}\n"
             f"setup: {self.setup_line()}\n"
-            f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token against {peak}\n"
+            f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token against {peak}"
+            + (f" (HFU: {self.hardware_flops_per_token / 1e6:,.1f} with the recompute)"
+               if self.hardware_flops_per_token != self.flops_per_token else "") + "\n"
             f"out: {s.out}"
             + (f" (resumed at step {self.step})" if self.step else "")
         )

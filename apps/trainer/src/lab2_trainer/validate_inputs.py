@@ -153,6 +153,23 @@ def _fmt(n: int) -> str:
     return f"{tib:,.1f} TiB" if tib < 1e6 else f"{tib:.2g} TiB"  # absurd sizes stay short
 
 
+def training_state_parts(n: int, sharding: str, world_size: int,
+                         reshard_after_forward: bool = True) -> dict[str, int]:
+    """:func:`training_state_bytes` item by item: ``parameters``, ``gradients`` and
+    ``optimizer`` bytes per rank (the gathered weights of fsdp without resharding count
+    among the parameters)."""
+    shards = max(1, world_size)
+    params, grads, state = 4 * n, 4 * n, 8 * n // shards
+    if sharding == "none":
+        state = 8 * n
+    elif sharding == "zero2":
+        grads = 4 * n // shards
+    elif sharding == "fsdp":
+        params = 4 * n // shards + (0 if reshard_after_forward else 4 * n)
+        grads = 4 * n // shards
+    return {"parameters": params, "gradients": grads, "optimizer": state}
+
+
 def training_state_bytes(n: int, sharding: str, world_size: int,
                          reshard_after_forward: bool = True) -> int:
     """Bytes per rank of fp32 weights (4), gradients (4) and AdamW's two moments (8) of
@@ -164,14 +181,7 @@ def training_state_bytes(n: int, sharding: str, world_size: int,
     * fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the whole
       gathered weights (4) through the backward besides.
     """
-    shards = max(1, world_size)
-    if sharding == "none":
-        return 16 * n
-    if sharding == "zero2":
-        return 4 * n + 12 * n // shards
-    if sharding == "fsdp":
-        return 16 * n // shards + (0 if reshard_after_forward else 4 * n)
-    return 8 * n + 8 * n // shards  # zero1, zero1-allreduce, torch
+    return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())
 
 
 def check_memory(settings: Any, world_size: int, device_type: str, *,

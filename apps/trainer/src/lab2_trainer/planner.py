@@ -1,0 +1,495 @@
+"""Predict a run's peak memory per GPU and its step time, before running it.
+
+``lab2-train plan`` (:mod:`lab2_trainer.plan_cli`) prints what :func:`plan` computes here.
+Everything is arithmetic on the model's shape; no torch is imported.
+
+Memory, per GPU, item by item (:func:`memory_items`):
+
+* **parameters, gradients, optimizer state**: fp32 weights, fp32 gradients and AdamW's two
+  fp32 moments, sharded as ``--sharding`` shards them: the trainer's one formula,
+  :func:`lab2_trainer.validate_inputs.training_state_parts`;
+* **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
+  parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
+  fsdp the gathered weights of the block running and the one prefetched; PyTorch's
+  DistributedDataParallel its bucket copy of the gradients (DDPBucketed's flat buckets are
+  the gradients themselves: the ``.grad`` are views of them); with one rank, zero1's
+  ShardedOptimizer is the plain optimizer and holds nothing more;
+* **half-precision weight copies**: eager autocast casts every matrix to bf16/fp16 once per
+  forward and the matrix products keep the copies for the backward (2 bytes a matrix
+  parameter); compiled graphs cast again in the backward instead;
+* **activations**: :func:`layer_activation_bytes` per token and layer, times the layers
+  and the micro-batch's tokens; the final norm and the logits (:func:`logits_bytes`); with
+  ``full`` checkpointing each block keeps only its inputs, and one block's activations
+  are alive again while it is recomputed;
+* **allocator workspace**: a fixed amount (cuBLAS and attention workspaces) plus a fraction
+  of the rest for the caching allocator's rounding and fragmentation.
+
+Activations and gradients do not peak together when the gradients are freed after each
+step (no DDP wrapper, one rank or zero2 or fsdp): autograd frees the activations as it
+produces the gradients, so the larger of the two counts. Where the gradients persist
+(zero1 stage 1's buffer on several ranks, the DDP wrappers' buckets) or accumulate
+(``grad_accum`` > 1), both count.
+
+Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
+:func:`lab2_trainer.mfu.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
+recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
+(53%: xl, 32 x 512, compiled, on an H200); and the communication of the sharding kind,
+from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
+reduce-scatter and all-gather (N-1)/N), at NVLink's bandwidth within a node and
+InfiniBand's between nodes. The collectives that run during backward (gradient
+reductions, FSDP's backward gathers) hide behind the backward's compute except the last
+bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
+gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
+block's. The exposed part is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lab2_trainer.config import ModelConfig
+from lab2_trainer.settings import (
+    ACTIVATION_CHECKPOINTING,
+    DDP_KINDS,
+    PRECISIONS,
+    SELF_REDUCING,
+    SHARDING_KINDS,
+)
+from lab2_trainer.validate_inputs import training_state_parts
+
+GIB = 1024**3
+#: Bytes per element of each precision's autocast dtype (fp32: no autocast).
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine a plan is for; every default is documented in the README's planner
+    section.
+
+    Attributes:
+        gpu_memory_gib: usable memory per GPU (H200: 141 GB, 139 GiB usable).
+        peak_tflops: dense bf16 peak per GPU (H200: 989).
+        efficiency: fraction of the peak the hardware FLOPs run at (53%: our measured
+            xl, 32 x 512, compiled, one H200).
+        nvlink_gbs: usable bandwidth per GPU per direction within a node, GB/s.
+        ib_gbits: InfiniBand per GPU between nodes, Gb/s.
+        latency_intra_us, latency_inter_us: alpha, the fixed cost of one collective.
+        overlap: fraction of the backward's compute time that collectives can hide behind.
+        workspace_gib: fixed workspace (cuBLAS, attention, NCCL) counted in the peak.
+        fragmentation: the caching allocator's reserve beyond what is allocated.
+        context_gib: the CUDA context, outside the allocator, for the fit.
+    """
+
+    gpu_memory_gib: float = 139.0
+    peak_tflops: float = 989.0
+    efficiency: float = 0.53
+    nvlink_gbs: float = 450.0
+    ib_gbits: float = 400.0
+    latency_intra_us: float = 10.0
+    latency_inter_us: float = 20.0
+    overlap: float = 1.0
+    workspace_gib: float = 0.25
+    fragmentation: float = 0.05
+    context_gib: float = 0.6
+
+
+@dataclass
+class PlanInput:
+    """One run to plan.
+
+    Attributes:
+        model: the model's shape.
+        batch_size: global batch in sequences (over all ranks and micro-batches).
+        gpus_per_node, nodes: the world is their product.
+        grad_accum: micro-batches per step on each rank.
+        precision: "fp32", "bf16" or "fp16" (autocast).
+        sharding: one of ``SHARDING_KINDS`` (None: the trainer's default, zero1 with more
+            than one rank, else none).
+        ddp: the gradient-averaging wrapper, one of ``DDP_KINDS`` (None: the trainer's
+            default, bucketed with more than one rank and a kind that takes one, else none).
+        activation_checkpointing: "none", "full" or "selective".
+        compile: whether the model is compiled (what the backward keeps differs).
+        reshard_after_forward: fsdp's.
+        bucket_mb: the gradient buckets (DDPBucketed, zero1, zero2), MiB.
+    """
+
+    model: ModelConfig
+    batch_size: int
+    gpus_per_node: int = 1
+    nodes: int = 1
+    grad_accum: int = 1
+    precision: str = "bf16"
+    sharding: str | None = None
+    ddp: str | None = None
+    activation_checkpointing: str = "none"
+    compile: bool = True
+    reshard_after_forward: bool = True
+    bucket_mb: float = 25.0
+    hardware: Hardware = field(default_factory=Hardware)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch_size // self.world_size // self.grad_accum
+
+    def validate(self) -> PlanInput:
+        """Resolve the default sharding and check every field: ``ValueError`` with one
+        line naming the first bad one."""
+        self.model.validate()
+        for name in ("batch_size", "gpus_per_node", "nodes", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, "
+                                 f"got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got "
+                             f"{self.precision!r}")
+        if self.sharding is None:
+            self.sharding = "zero1" if self.world_size > 1 else "none"
+        if self.sharding not in SHARDING_KINDS:
+            raise ValueError(f"--sharding must be one of {', '.join(SHARDING_KINDS)}; got "
+                             f"{self.sharding!r}")
+        if self.ddp is None:
+            self.ddp = ("bucketed" if self.world_size > 1 and self.sharding not in SELF_REDUCING
+                        else "none")
+        if self.ddp not in DDP_KINDS:
+            raise ValueError(f"--ddp must be one of {', '.join(DDP_KINDS)}; got {self.ddp!r}")
+        if self.sharding in SELF_REDUCING and self.ddp != "none":
+            raise ValueError(f"--sharding {self.sharding} averages gradients itself: --ddp "
+                             f"must be none, not {self.ddp}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError("--activation-checkpointing must be one of "
+                             f"{', '.join(ACTIVATION_CHECKPOINTING)}; got "
+                             f"{self.activation_checkpointing!r}")
+        per = self.world_size * self.grad_accum
+        if self.batch_size % per:
+            raise ValueError(f"--batch-size {self.batch_size} does not split into "
+                             f"{self.world_size} ranks x {self.grad_accum} micro-batches")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"--bucket-mb must be > 0, got {self.bucket_mb!r}")
+        zero_ok = ("fragmentation", "workspace_gib", "context_gib", "latency_intra_us",
+                   "latency_inter_us", "overlap")
+        for f in dataclasses.fields(self.hardware):
+            value = getattr(self.hardware, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 \
+                    or (value == 0 and f.name not in zero_ok):
+                bound = ">= 0" if f.name in zero_ok else "> 0"
+                raise ValueError(f"{flag} must be a finite number {bound}, got {value!r}")
+        if self.hardware.efficiency > 1:
+            raise ValueError(f"--efficiency must be in (0, 1], got {self.hardware.efficiency}")
+        if self.hardware.overlap > 1:
+            raise ValueError(f"--overlap must be in [0, 1], got {self.hardware.overlap}")
+        return self
+
+
+# ------------------------------------------------------------------------- parameters
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """The model's parameters by kind, as :class:`lab2_trainer.model.TransformerLM` builds
+    them: ``block`` (one block's), ``blocks``, ``embeddings`` (token and position tables),
+    ``head`` (the LM head, 0 when tied), ``norms`` (the final norm) and ``total``;
+    ``matmul`` is what takes part in matrix products (``lab2_trainer.mfu``'s N)."""
+    d, f = config.d_model, config.d_ff
+    norm = 2 * d if config.norm == "layernorm" else d  # LayerNorm has a bias
+    ffn = (3 if config.ffn == "swiglu" else 2) * d * f
+    block_matmul = 4 * d * d + ffn
+    block = block_matmul + 2 * norm
+    embeddings = (config.vocab_size + config.context_length) * d
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    total = config.n_layers * block + embeddings + head + norm
+    # lab2_trainer.mfu.matmul_parameters's N: all but the position table, and the token
+    # table unless it is the head.
+    matmul = total - config.context_length * d - (0 if config.tie_embeddings
+                                                  else config.vocab_size * d)
+    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
+            "embeddings": embeddings, "head": head, "norms": norm, "total": total,
+            "matmul": matmul}
+
+
+# ------------------------------------------------------------------------ activations
+def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: str = "none",
+                           compiled: bool = False) -> float:
+    """Bytes one block keeps for its backward, per token.
+
+    With ``a`` the autocast dtype's size (4 in fp32) and the residual stream in fp32:
+
+    * each norm keeps its fp32 input (the residual sum, 4 d) and its output in ``a``
+      (the next matrix product's input, a d); nn.RMSNorm, which autograd differentiates op
+      by op, also keeps its normalised input (4 d more);
+    * attention keeps q, k and v (the qkv product, 3 a d), its output (a d; also the
+      projection's input) and the log-sum-exp (4 bytes a head);
+    * SwiGLU keeps w1's and w3's outputs, SiLU's output and the product (4 a d_ff); GELU
+      w1's output and GELU's (2 a d_ff). Compiled, Inductor's partitioner recomputes some
+      of the elementwise work: SwiGLU keeps 3 a d_ff (fitted to the peaks measured at
+      medium and xl, 8 to 64 x 512, on an H200: 44 d bytes a layer and token in all),
+      GELU is taken as eager.
+
+    ``full``: the block's inputs only (the fp32 residual stream and the pending branch
+    output, (4 + a) d). ``selective`` (the op-level policy): the inputs, and the outputs
+    of the matrix products and attention: (4 + 6 a) d + 2 a d_ff (SwiGLU) or a d_ff
+    (GELU) plus the log-sum-exp; the pending input is the previous block's last product,
+    counted once.
+    """
+    a = ACTIVATION_BYTES[precision]
+    d, f = config.d_model, config.d_ff
+    lse = 4 * config.n_heads
+    if checkpointing == "full":
+        return (4 + a) * d
+    mlp_products = (2 if config.ffn == "swiglu" else 1) * a * f
+    if checkpointing == "selective":
+        return (4 + 6 * a) * d + mlp_products + lse
+    norm_extra = 4 * d if config.norm == "torch" else 0
+    norms = 2 * (4 * d + a * d + norm_extra)
+    attention = 3 * a * d + a * d + lse
+    if compiled and config.ffn == "swiglu":
+        mlp = 3 * a * f
+    else:
+        mlp = (4 if config.ffn == "swiglu" else 2) * a * f
+    return norms + attention + mlp
+
+
+def final_activation_bytes(config: ModelConfig, precision: str) -> float:
+    """Per token: what the final norm and the LM head keep (the fp32 residual sum, the
+    normalised output in the autocast dtype; nn.RMSNorm's normalised input besides) and
+    the loss's fp32 log-softmax (4 V)."""
+    a = ACTIVATION_BYTES[precision]
+    norm_extra = 4 * config.d_model if config.norm == "torch" else 0
+    return (4 + a) * config.d_model + norm_extra + 4 * config.vocab_size
+
+
+def logits_bytes(config: ModelConfig, precision: str, compiled: bool = False) -> float:
+    """Per token, the logits' transient peak beyond what :func:`final_activation_bytes`
+    keeps: at the start of the backward, the log-softmax's incoming and outgoing fp32
+    gradients (8 V) and the head's gradient in the autocast dtype (a V); compiled, one
+    fused kernel writes the head's gradient from the saved log-softmax (a V)."""
+    a = ACTIVATION_BYTES[precision]
+    return (a if compiled else 8 + a) * config.vocab_size
+
+
+# ----------------------------------------------------------------------------- memory
+def memory_items(p: PlanInput) -> dict[str, float]:
+    """Bytes per GPU, by item (see the module docstring); ``peak`` is their sum as the
+    peak counts them, ``reserved`` adds the allocator's fragmentation."""
+    c, hw = p.model, p.hardware
+    counts = parameter_counts(c)
+    n = counts["total"]
+    N = p.world_size
+    state = training_state_parts(n, p.sharding, N, p.reshard_after_forward)
+    bucket = p.bucket_mb * 1024**2
+    buffers = 0.0
+    # With one rank zero1's ShardedOptimizer is the plain optimizer: no buckets.
+    if p.sharding == "zero1" and N > 1:
+        buffers = 4 * n / N
+    elif p.sharding == "zero2" and N > 1:
+        buffers = min(bucket, 4 * n)
+    elif p.sharding == "fsdp":
+        buffers = 2 * 4 * counts["block"] if p.reshard_after_forward else 0.0
+    elif p.ddp == "torch":  # DistributedDataParallel's bucket copy of the gradients
+        buffers = 4 * n
+    # Gradients that outlive the step: zero1 stage 1's full buffer (more than one rank),
+    # and DDPBucketed's and DistributedDataParallel's buckets.
+    persistent = (p.sharding == "zero1" and N > 1) or p.ddp in ("bucketed", "torch")
+    half = p.precision != "fp32"
+    casts = 2 * counts["matmul"] if half and not p.compile else 0.0
+    tokens = p.micro_batch * c.context_length
+    per_layer = layer_activation_bytes(c, p.precision, p.activation_checkpointing, p.compile)
+    activations = tokens * (c.n_layers * per_layer + final_activation_bytes(c, p.precision))
+    recompute = 0.0
+    if p.activation_checkpointing != "none":
+        # The block being recomputed holds its activations again, beside its gradients.
+        recompute = tokens * layer_activation_bytes(c, p.precision, "none", p.compile)
+    logits = tokens * logits_bytes(c, p.precision, p.compile)
+    forward_backward = activations + recompute + logits
+    gradients = state["gradients"]
+    counted_grads = gradients if p.grad_accum > 1 or persistent else 0.0
+    counted_acts = forward_backward
+    if not counted_grads and gradients > forward_backward:
+        counted_grads, counted_acts = gradients, 0.0
+    workspace = hw.workspace_gib * GIB
+    items = {
+        "parameters": float(state["parameters"]),
+        "gradients": float(gradients),
+        "optimizer": float(state["optimizer"]),
+        "sharding buffers": float(buffers),
+        "half-precision weight copies": float(casts),
+        "activations (blocks)": float(tokens * c.n_layers * per_layer),
+        "activations (final norm, loss)": float(tokens * final_activation_bytes(c, p.precision)),
+        "recomputed block": float(recompute),
+        "logits at backward start": float(logits),
+        "workspace": float(workspace),
+    }
+    peak = (items["parameters"] + items["optimizer"] + buffers + casts + counted_grads
+            + counted_acts + workspace)
+    items["peak"] = peak
+    items["counted_gradients"] = float(counted_grads)
+    items["counted_activations"] = float(counted_acts)
+    items["reserved"] = peak * (1 + hw.fragmentation)
+    return items
+
+
+def fits(p: PlanInput, items: dict[str, float] | None = None) -> bool:
+    """Whether the reserved peak and the CUDA context fit the GPU's usable memory."""
+    items = items if items is not None else memory_items(p)
+    return items["reserved"] + p.hardware.context_gib * GIB <= p.hardware.gpu_memory_gib * GIB
+
+
+def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
+    """The largest per-rank micro-batch (sequences) whose plan fits; 0 when none does."""
+    best, lo, hi = 0, 1, limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = dataclasses.replace(p, batch_size=mid * p.world_size * p.grad_accum)
+        if fits(trial):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+# -------------------------------------------------------------------------- step time
+def flops_per_token(config: ModelConfig, checkpointing: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per token of a training step: ``6 N + 12 L d T``
+    (``lab2_trainer.mfu``), and that plus the recomputed forwards. The blocks the
+    recompute covers follow ``lab2_trainer.checkpointing``: all for full, none for the
+    op-level selective policy (this function assumes torch has it)."""
+    counts = parameter_counts(config)
+    model = 6 * counts["matmul"] + 12 * config.n_layers * config.d_model * config.context_length
+    blocks = config.n_layers if checkpointing == "full" else 0
+    recompute = blocks * (2 * counts["block_matmul"] + 4 * config.d_model * config.context_length)
+    return float(model), float(model + recompute)
+
+
+def _collective(kind: str, nbytes: float, world: int, bandwidth: float, latency: float,
+                calls: int) -> float:
+    """Seconds of one collective kind over ``nbytes`` per rank, cut into ``calls`` calls:
+    ring volumes at ``bandwidth`` bytes/s plus ``latency`` seconds a call."""
+    if world == 1 or nbytes == 0:
+        return 0.0
+    factor = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0}[kind]
+    return factor * (world - 1) / world * nbytes / bandwidth + calls * latency
+
+
+def step_time(p: PlanInput) -> dict[str, Any]:
+    """Compute, communication by collective, exposed communication and the step's time,
+    tokens/s, MFU, HFU and scaling efficiency (see the module docstring)."""
+    c, hw, N = p.model, p.hardware, p.world_size
+    model_flops, hardware_flops = flops_per_token(c, p.activation_checkpointing)
+    tokens_rank = p.batch_size // N * c.context_length
+    peak = hw.peak_tflops * 1e12
+    compute = tokens_rank * hardware_flops / (peak * hw.efficiency)
+    # The forward is a third of the model's FLOPs; the backward the rest, recompute included.
+    forward = compute * (model_flops / 3) / hardware_flops
+    backward = compute - forward
+    inter = p.nodes > 1
+    bandwidth = (hw.ib_gbits / 8 if inter else hw.nvlink_gbs) * 1e9
+    latency = (hw.latency_inter_us if inter else hw.latency_intra_us) * 1e-6
+    n = parameter_counts(c)["total"]
+    grad_bytes = 4.0 * n
+    bucket = p.bucket_mb * 1024**2
+    buckets = max(1, math.ceil(grad_bytes / bucket))
+    comms: dict[str, dict[str, float]] = {}
+
+    def add(name: str, kind: str, nbytes: float, calls: int, hides_behind: str) -> None:
+        comms[name] = {"seconds": _collective(kind, nbytes, N, bandwidth, latency, calls),
+                       "bytes": nbytes, "hides_behind": hides_behind}
+
+    s = p.sharding
+    if s in ("none", "zero1-allreduce", "torch"):
+        add("gradient all-reduce", "all-reduce", grad_bytes, buckets, "backward")
+    if s in ("zero1", "zero2"):
+        add("gradient reduce-scatter", "reduce-scatter", grad_bytes, buckets, "backward")
+        add("parameter all-gather", "all-gather", grad_bytes, buckets, "none")
+    if s in ("zero1-allreduce", "torch"):
+        add("parameter broadcast", "all-gather", grad_bytes, 1, "none")
+    if s == "fsdp":
+        blocks = c.n_layers + 1
+        gathers = p.grad_accum  # no_sync still gathers every micro-batch
+        add("forward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
+            "forward")
+        if p.reshard_after_forward:
+            add("backward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
+                "backward")
+        add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
+    budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap}
+    exposed = 0.0
+    for name, comm in comms.items():
+        t = comm["seconds"]
+        where = comm["hides_behind"]
+        if where == "none" or N == 1:
+            comm["exposed"] = t
+        else:
+            # The last call (bucket or block) has nothing left to hide behind.
+            calls = buckets if "reduce" in name or s != "fsdp" else c.n_layers + 1
+            last = t / max(1, calls)
+            hidden = min(t - last, budget[where])
+            budget[where] -= hidden
+            comm["exposed"] = t - hidden
+        exposed += comm["exposed"]
+    step = compute + exposed
+    tokens = p.batch_size * c.context_length
+    tokens_per_s = tokens / step
+    return {
+        "compute_s": compute, "forward_s": forward, "backward_s": backward,
+        "communication": comms,
+        "communication_s": sum(x["seconds"] for x in comms.values()),
+        "exposed_communication_s": exposed, "step_s": step, "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / N,
+        "mfu": tokens_per_s * model_flops / (peak * N),
+        "hfu": tokens_per_s * hardware_flops / (peak * N),
+        "scaling_efficiency": compute / step,
+        "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
+        "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
+    }
+
+
+def assumptions(p: PlanInput) -> list[str]:
+    """The plan's assumptions, in words, for the output."""
+    hw = p.hardware
+    return [
+        "fp32 weights, gradients and AdamW moments (16 bytes a parameter before sharding); "
+        "autocast computes in the precision's dtype",
+        f"activations of {'compiled' if p.compile else 'eager'} blocks, residual stream in "
+        "fp32; peak at the start of the backward (or in the optimizer step when gradients "
+        "outweigh activations)",
+        f"compute at {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (hardware FLOPs, "
+        "recompute included; 53% measured: xl 32 x 512 compiled, one H200)",
+        f"ring collectives: NVLink {hw.nvlink_gbs:g} GB/s per GPU within a node, "
+        f"InfiniBand {hw.ib_gbits:g} Gb/s per GPU between nodes (the slowest link sets a "
+        f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",
+        f"gradient reductions hide behind {hw.overlap:.0%} of the backward except the last "
+        "bucket; post-step parameter gathers are exposed",
+        f"workspace {hw.workspace_gib:g} GiB, allocator reserve {hw.fragmentation:.0%}, "
+        f"CUDA context {hw.context_gib:g} GiB; {hw.gpu_memory_gib:g} GiB usable per GPU",
+    ]
+
+
+def plan(p: PlanInput) -> dict[str, Any]:
+    """The whole prediction for ``p`` (validated here) as plain values (the JSON output)."""
+    p.validate()
+    items = memory_items(p)
+    counts = parameter_counts(p.model)
+    return {
+        "model": p.model.to_dict(),
+        "parameters": counts["total"],
+        "world_size": p.world_size, "gpus_per_node": p.gpus_per_node, "nodes": p.nodes,
+        "batch_size": p.batch_size, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
+        "precision": p.precision, "sharding": p.sharding, "ddp": p.ddp,
+        "activation_checkpointing": p.activation_checkpointing, "compile": p.compile,
+        "memory_bytes": items,
+        "peak_gib": items["peak"] / GIB,
+        "reserved_gib": items["reserved"] / GIB,
+        "gpu_memory_gib": p.hardware.gpu_memory_gib,
+        "fits": fits(p, items),
+        "largest_micro_batch": largest_micro_batch(p),
+        "time": step_time(p),
+        "hardware": dataclasses.asdict(p.hardware),
+        "assumptions": assumptions(p),
+    }
