@@ -13,8 +13,9 @@ from torch import nn
 
 import tritonnorm
 from lab2_testing.tn_numerics import TOL, dx_scale, rel_err, rms_norm_ref
-from tritonnorm import RMSNorm, patching, replace_rms_norms
-from tritonnorm.patching import MachineEpsRMSNorm, to_tritonnorm
+from tritonnorm import RMSNorm, replace_rms_norms
+from tritonnorm import nn as patching
+from tritonnorm.nn import MachineEpsRMSNorm, to_tritonnorm
 
 pytestmark = pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm: PyTorch 2.4")
 

@@ -1,4 +1,8 @@
-"""``replace_rms_norms``: swap a model's RMSNorm modules for ``tritonnorm.RMSNorm`` in place.
+"""tritonnorm's ``nn.Module``s, and ``replace_rms_norms``, which swaps a model's RMSNorm
+modules for them in place.
+
+``RMSNorm`` and ``FusedAddRMSNorm`` are thin modules over ``rms_norm`` and
+``fused_add_rms_norm`` (``tritonnorm.ops``).
 
 What is swapped:
 
@@ -45,10 +49,62 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tritonnorm.functional import rms_norm
-from tritonnorm.module import RMSNorm
+from tritonnorm.ops import fused_add_rms_norm, rms_norm
 
-__all__ = ["MachineEpsRMSNorm", "replace_rms_norms", "to_tritonnorm"]
+__all__ = ["FusedAddRMSNorm", "MachineEpsRMSNorm", "RMSNorm", "replace_rms_norms",
+           "to_tritonnorm"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last dimension with a learned gain.
+
+    Its only parameter is ``weight`` (shape (hidden_size,), initialised to ones), so its
+    state dict loads into ``torch.nn.RMSNorm(hidden_size)`` and back. On CUDA it runs the
+    Triton kernels (under ``torch.compile`` as Triton operators Inductor launches itself).
+
+    Args:
+        hidden_size: H, the size of the normalised last dimension.
+        eps: added to the mean square before the square root.
+        device: where to create ``weight``.
+        dtype: dtype of ``weight``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """``forward(x, residual) -> (norm(x + residual), x + residual)``, fused.
+
+    The module form of ``fused_add_rms_norm``: same parameter (and state dict) as
+    ``RMSNorm``. The sum takes x's dtype; pass the residual stream as ``x``.
+    """
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):  # type: ignore[override]
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+# ---------------------------------------------------------------------------- replace_rms_norms
 
 _TorchRMSNorm = getattr(nn, "RMSNorm", None)  # PyTorch >= 2.4
 
@@ -282,7 +338,7 @@ def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
     if _is_candidate(model):
         raise ValueError(
             f"the model itself is a {type(model).__name__}: there is no parent to put the "
-            "replacement in; use tritonnorm.patching.to_tritonnorm(model) instead")
+            "replacement in; use tritonnorm.nn.to_tritonnorm(model) instead")
 
     # Every (parent, name) slot that holds a candidate; a shared instance has several.
     slots: list[tuple[nn.Module, str, nn.Module]] = []
