@@ -212,29 +212,6 @@ def test_training_mode_device_dtype_and_hooks_are_kept():
     assert calls == ["pre", "post", "backward"]
 
 
-def test_refusals_raise_before_changing_anything():
-    model = nn.Sequential(
-        nn.RMSNorm(H),
-        nn.RMSNorm(H, elementwise_affine=False),
-        nn.RMSNorm((4, H)),
-    )
-    before = list(model)
-    with pytest.raises(ValueError) as info:
-        replace_rms_norms(model)
-    msg = str(info.value)
-    assert "1 (RMSNorm): elementwise_affine=False" in msg
-    assert "2 (RMSNorm): normalized_shape=(4, 24)" in msg and "last dimension only" in msg
-    assert "nothing was changed" in msg and "strict=False" in msg
-    assert list(model) == before
-
-
-def test_non_strict_skips_with_one_warning():
-    model = nn.Sequential(nn.RMSNorm(H), nn.RMSNorm(H, elementwise_affine=False))
-    with pytest.warns(UserWarning, match="1 \\(RMSNorm\\): elementwise_affine=False"):
-        assert replace_rms_norms(model, strict=False) == 1
-    assert isinstance(model[0], RMSNorm) and type(model[1]) is nn.RMSNorm
-
-
 class _Declared(nn.Module):
     __tritonnorm_compatible__ = True
 
@@ -248,6 +225,29 @@ def _declared_with(change):
     m = _Declared()
     change(m)
     return m
+
+
+def test_refusals_raise_before_changing_anything():
+    model = nn.Sequential(
+        nn.RMSNorm(H),
+        _declared_with(lambda m: m.register_buffer("scale", torch.ones(1))),
+        nn.RMSNorm((4, H)),
+    )
+    before = list(model)
+    with pytest.raises(ValueError) as info:
+        replace_rms_norms(model)
+    msg = str(info.value)
+    assert "1 (_Declared): it holds more than `weight` (scale)" in msg
+    assert "2 (RMSNorm): normalized_shape=(4, 24)" in msg and "last dimension only" in msg
+    assert "nothing was changed" in msg and "strict=False" in msg
+    assert list(model) == before
+
+
+def test_non_strict_skips_with_one_warning():
+    model = nn.Sequential(nn.RMSNorm(H), nn.RMSNorm((4, H)))
+    with pytest.warns(UserWarning, match="1 \\(RMSNorm\\): normalized_shape=\\(4, 24\\)"):
+        assert replace_rms_norms(model, strict=False) == 1
+    assert isinstance(model[0], RMSNorm) and type(model[1]) is nn.RMSNorm
 
 
 @pytest.mark.parametrize("module, why", [
@@ -289,8 +289,8 @@ def test_root_norm_is_refused_and_to_tritonnorm_converts_one():
         replace_rms_norms(norm)
     new = to_tritonnorm(norm)
     assert type(new) is RMSNorm and new.weight is norm.weight and new.eps == 1e-6
-    with pytest.raises(ValueError, match="elementwise_affine=False"):
-        to_tritonnorm(nn.RMSNorm(H, elementwise_affine=False))
+    scale_free = to_tritonnorm(nn.RMSNorm(H, elementwise_affine=False))
+    assert type(scale_free) is MachineEpsRMSNorm and scale_free.weight is None
     with pytest.raises(ValueError, match="not swapped"):
         to_tritonnorm(nn.Linear(H, H))
     with pytest.raises(TypeError):
@@ -326,3 +326,16 @@ def test_swapped_norm_matches_torch_property(hidden, dtype, eps, seed):
     eps_used = model[0]._eps_by_dtype[dtype] if eps is None else eps
     assert rel_err(dx, dx_ref, dx_scale(x, torch_norm.weight, dy, eps_used)) < TOL[dtype]
     assert rel_err(gw["0.weight"], gw_ref["0.weight"]) < TOL[dtype]
+
+
+def test_scale_free_norm_is_swapped_and_matches_torch():
+    # nn.RMSNorm(elementwise_affine=False): no weight, no parameter, no state-dict key.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H, eps=1e-6, elementwise_affine=False))
+    x = torch.randn(5, H)
+    y_ref = model(x)
+    keys = list(model.state_dict())
+    assert replace_rms_norms(model) == 1
+    assert type(model[1]) is RMSNorm and model[1].weight is None
+    assert list(model.state_dict()) == keys
+    assert rel_err(model(x), y_ref) < TOL[torch.float32]

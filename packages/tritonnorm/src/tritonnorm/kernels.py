@@ -34,10 +34,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _gain(W, cols, col_ok, HAS_W: tl.constexpr, OFFSET: tl.constexpr):
+    # The float32 gain g of each column: offset + weight (the offset added in float32, as
+    # Gemma's ``1 + weight.float()``), or 1 without a weight (0 in masked-off columns).
+    if HAS_W:
+        g = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + OFFSET
+    else:
+        g = col_ok.to(tl.float32)
+    return g
+
+
+@triton.jit
+def _normed(x_hat, dtype, LLAMA: tl.constexpr):
+    # x_hat as the gain multiplies it: rounded to the input's dtype first in "llama" mode
+    # (Hugging Face's ``weight * x_hat.to(input_dtype)``), as it is (float32) otherwise.
+    if LLAMA:
+        x_hat = x_hat.to(dtype).to(tl.float32)
+    return x_hat
+
+
+@triton.jit
 def fwd_rows_kernel(
     X, R, W, Y, S, RSTD, n_rows, n_cols, stride_x, stride_r, stride_y, eps,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, STORE_RSTD: tl.constexpr,
     HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # One tile of BLOCK_R whole rows per program: one read of x, one write of y (and of
     # rstd, unless no backward will need it). HAS_RES: x + residual first (one read of
@@ -56,9 +77,9 @@ def fwd_rows_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
         tl.store(S + rows64[:, None] * stride_y + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = _gain(W, cols, col_ok, HAS_W, OFFSET)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    y = x * rstd[:, None] * w[None, :]
+    y = _normed(x * rstd[:, None], X.dtype.element_ty, LLAMA) * g[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -123,6 +144,7 @@ def bwd_rows_kernel(
     PREFETCH: tl.constexpr, ROW_SUM: tl.constexpr, STAGES: tl.constexpr,
     HAS_DS: tl.constexpr, HAS_DR: tl.constexpr,
     FOLD: tl.constexpr, RED_P: tl.constexpr, RED_C: tl.constexpr, SPIN_NS: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # HAS_DS (the fused residual add's backward): x is the sum s = x + residual, and the
     # gradient reaching s directly (DS) is added to dx; HAS_DR also writes that same
@@ -144,7 +166,7 @@ def bwd_rows_kernel(
         gen = tl.load(COUNTER + 1, volatile=True)  # see _sum_partials_tail
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = _gain(W, cols, col_ok, HAS_W, OFFSET)
     # ROW_SUM folds each tile's rows into a [BLOCK_H] accumulator (fewer registers, so
     # taller tiles fit); otherwise the accumulator keeps the tile's shape (no reduction
     # across threads inside the loop).
@@ -194,10 +216,11 @@ def bwd_rows_kernel(
                 tl.store(DR + rows64[:, None] * stride_dx + cols[None, :],
                          dx.to(DR.dtype.element_ty), mask=mask)
         if HAS_DW:
+            x_w = _normed(x_hat, X.dtype.element_ty, LLAMA)  # what the weight multiplied
             if ROW_SUM:
-                dw_acc += tl.sum(dy * x_hat, axis=0)
+                dw_acc += tl.sum(dy * x_w, axis=0)
             else:
-                dw_acc += dy * x_hat
+                dw_acc += dy * x_w
     if HAS_DW:
         if ROW_SUM:
             tl.store(DW_PART + pid * n_cols + cols, dw_acc, mask=col_ok)
@@ -214,6 +237,7 @@ def bwd_rows_kernel(
 def fwd_rows_reread_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, EVEN: tl.constexpr, STORE_RSTD: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # As fwd_rows_kernel, but x is read twice, CHUNK columns at a time: once for the sum
     # of squares, marked to stay in L2 (evict_last), then again (from L2, evict_first) to
@@ -243,15 +267,24 @@ def fwd_rows_reread_kernel(
         x_ptr = X + rows64[:, None] * stride_x + cols[None, :]
         y_ptr = Y + rows64[:, None] * stride_y + cols[None, :]
         if EVEN:
-            x = tl.load(x_ptr, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
-            tl.store(y_ptr, (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty))
+            x = tl.load(x_ptr, eviction_policy="evict_first")
+            if HAS_W:
+                g = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32) + OFFSET
+            else:
+                g = tl.full([CHUNK], 1.0, tl.float32)
+            y = _normed(x.to(tl.float32) * rstd[:, None], X.dtype.element_ty, LLAMA)
+            tl.store(y_ptr, (y * g[None, :]).to(Y.dtype.element_ty))
         else:
             col_ok = cols < n_cols
             mask = row_ok[:, None] & col_ok[None, :]
             x = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy="evict_first")
-            w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last")
-            y = x.to(tl.float32) * rstd[:, None] * w.to(tl.float32)[None, :]
+            if HAS_W:
+                g = tl.load(W + cols, mask=col_ok, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32) + OFFSET
+            else:
+                g = col_ok.to(tl.float32)
+            y = _normed(x.to(tl.float32) * rstd[:, None], X.dtype.element_ty, LLAMA)
+            y = y * g[None, :]
             tl.store(y_ptr, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -276,6 +309,7 @@ def sum_partials_kernel(
 def fwd_looped_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps,
     CHUNK: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # Persistent: each program takes rows pid, pid + P, ...; a row is read in chunks twice.
     pid = tl.program_id(0)
@@ -297,14 +331,16 @@ def fwd_looped_kernel(
             cols = (n_chunks - 1 - k) * CHUNK + offs
             ok = cols < n_cols
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(y_row + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+            g = _gain(W, cols, ok, HAS_W, OFFSET)
+            y = _normed(x * rstd, X.dtype.element_ty, LLAMA) * g
+            tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def bwd_slices_kernel(
     X, W, DY, RSTD, DOT_PART, DW_PART, n_rows, n_cols, stride_x, stride_dy,
     BLOCK_H: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # Looped backward, pass 1. Program (s, q) owns column slice s over rows q, q + Q, ...:
     # it writes the slice's share of each row's dot(g * dy, x_hat) for the dx pass and
@@ -315,7 +351,7 @@ def bwd_slices_kernel(
     n_slices = tl.num_programs(0)
     cols = s * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = _gain(W, cols, col_ok, HAS_W, OFFSET)
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for row in range(q, n_rows, n_q):
         row64 = tl.cast(row, tl.int64)
@@ -325,7 +361,7 @@ def bwd_slices_kernel(
         if HAS_DX:
             tl.store(DOT_PART + row64 * n_slices + s, tl.sum(dy * w * x_hat, axis=0))
         if HAS_DW:
-            dw_acc += dy * x_hat
+            dw_acc += dy * _normed(x_hat, X.dtype.element_ty, LLAMA)
     if HAS_DW:
         tl.store(DW_PART + q * n_cols + cols, dw_acc, mask=col_ok)
 
@@ -334,6 +370,7 @@ def bwd_slices_kernel(
 def bwd_dx_looped_kernel(
     X, W, DY, RSTD, DOT_PART, DX, n_rows, n_cols, n_slices, stride_x, stride_dy, stride_dx,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # Looped backward, pass 2: program (row, s) writes one slice of one row's dx.
     row64 = tl.program_id(0).to(tl.int64)
@@ -347,7 +384,7 @@ def bwd_dx_looped_kernel(
     rstd = tl.load(RSTD + row64)
     x = tl.load(X + row64 * stride_x + cols, mask=col_ok, other=0.0).to(tl.float32)
     dy = tl.load(DY + row64 * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = _gain(W, cols, col_ok, HAS_W, OFFSET)
     x_hat = x * rstd
     dx = (dy * w - x_hat * c) * rstd
     tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
@@ -399,6 +436,7 @@ def _row_slice(PTR, row, stride, cols, n_rows, n_cols):
 def fwd_coop_kernel(
     X, W, Y, RSTD, SLOTS, n_rows, n_cols, n_slices, stride_x, stride_y, eps,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # Cooperative forward for long rows: each row is split over the n_slices programs of a
     # group, each holding one BLOCK_H slice in registers, so x is read from memory once.
@@ -408,7 +446,7 @@ def fwd_coop_kernel(
     # of the grid must be resident at once (the launcher sizes the grid so).
     g, n_groups, s, cols = _group_slice(n_slices, BLOCK_H)
     col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = _gain(W, cols, col_ok, HAS_W, OFFSET)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     # The next row's slice is loaded one iteration ahead, so that a load is in flight
     # while the program reduces, waits and writes.
@@ -425,7 +463,7 @@ def fwd_coop_kernel(
         if it > 0:
             prev = row - n_groups
             rstd = 1.0 / tl.sqrt(_row_total(SLOTS, prev, n_slices, BLOCK_S) / n_cols + eps)
-            y = x_prev.to(tl.float32) * rstd * w
+            y = _normed(x_prev.to(tl.float32) * rstd, X.dtype.element_ty, LLAMA) * w
             tl.store(Y + tl.cast(prev, tl.int64) * stride_y + cols, y.to(Y.dtype.element_ty),
                      mask=col_ok)
             if s == 0:
@@ -438,6 +476,7 @@ def bwd_coop_kernel(
     X, W, DY, RSTD, SLOTS, DX, DW_PART, n_rows, n_cols, n_slices, stride_x,
     stride_dy, stride_dx,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+    HAS_W: tl.constexpr, OFFSET: tl.constexpr, LLAMA: tl.constexpr,
 ):
     # Cooperative backward for long rows, organised like fwd_coop_kernel: x and dy are
     # read once and kept in registers while the group exchanges the partial dot products
@@ -445,7 +484,7 @@ def bwd_coop_kernel(
     # stored once per program into DW_PART[group] (summed over groups afterwards).
     g, n_groups, s, cols = _group_slice(n_slices, BLOCK_H)
     col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = _gain(W, cols, col_ok, HAS_W, OFFSET)
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     x_prev = tl.zeros([BLOCK_H], dtype=X.dtype.element_ty)
     dy_prev = tl.zeros([BLOCK_H], dtype=DY.dtype.element_ty)
@@ -463,7 +502,7 @@ def bwd_coop_kernel(
         rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # x_hat is 0 past the last row
         x_hat = x.to(tl.float32) * rstd
         if HAS_DW:
-            dw_acc += dy.to(tl.float32) * x_hat
+            dw_acc += dy.to(tl.float32) * _normed(x_hat, X.dtype.element_ty, LLAMA)
         if HAS_DX:
             if live:
                 _publish_partial(SLOTS, row, s, n_slices,

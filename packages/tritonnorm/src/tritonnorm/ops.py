@@ -42,8 +42,11 @@ from tritonnorm.reference import (
     KERNEL_DTYPES,
     RMSNormTorchFunction,
     check_eps,
+    check_mode,
+    check_out_dtype,
     check_residual,
     check_rms_norm_args,
+    default_out_dtype,
     kernel_eps,
 )
 
@@ -135,6 +138,23 @@ class KernelOptions:
     eager_op: bool = False
     """Route eager calls through the registered ``torch.ops.tritonnorm`` operators (as
     compiled code does) instead of the autograd.Function: for tests and benchmarks."""
+
+    eager_dispatch: str = "auto"
+    """Which path an eager call on CUDA takes: "kernels" (always the Triton kernels),
+    "torch" (always PyTorch's ``F.rms_norm``, fused on CUDA since PyTorch 2.9, with the
+    same casting semantics) or "auto": PyTorch's where x has fewer elements than
+    ``torch_below`` says for its dtype (host-bound calls, where the kernels' device-time
+    advantage does not repay their host cost), the kernels otherwise. Without
+    ``F.rms_norm`` (PyTorch < 2.4... never here, but an odd build) the kernels always.
+    Under ``torch.compile`` the kernels always run (Inductor launches them)."""
+
+    torch_below: dict = dataclasses.field(default_factory=lambda: {
+        "torch.bfloat16": 1 << 22, "torch.float16": 1 << 22, "torch.float32": 1 << 21})
+    """The "auto" rule: elements of x (rows x hidden) below which an eager call takes
+    PyTorch's path, by x's dtype (``str(dtype)``). Provisional (about 4.2 M 16-bit
+    elements, 2.1 M float32: where the kernels' fwd+bwd device time reaches the ~45 µs
+    of host time they cost over ``F.rms_norm``'s); ``benchmarks/h200_hf.py`` measures
+    the crossover. PyTorch < 2.9 has no fused CUDA kernel: "auto" then never picks it."""
 
     def override(self, **changes) -> contextlib.AbstractContextManager:
         """Context manager: set some fields, restore them on exit."""
@@ -652,6 +672,17 @@ def _coop_plan(x: torch.Tensor, n_rows: int, n_cols: int, config: dict | None,
     return None if layout is None else (block, *layout, num_warps)
 
 
+#: The kernels' mode constexprs (HAS_W, OFFSET, LLAMA) of a plain RMSNorm with a weight.
+_PLAIN = (True, 0.0, False)
+
+
+def _mode(weight, offset: float, llama: bool) -> tuple[bool, float, bool]:
+    """The mode constexprs every kernel takes last: whether there is a weight, the offset
+    added to it in float32, and whether x_hat is rounded to x's dtype before the weight
+    multiplies it (casting mode "llama")."""
+    return (weight is not None, float(offset), bool(llama))
+
+
 def _sum_partials(part: torch.Tensor, weight: torch.Tensor, traceable: bool) -> torch.Tensor:
     """Sum the [n_programs, H] float32 partial weight gradients over programs, in an order
     fixed by the buffer's shape (bitwise reproducible), in the weight's dtype."""
@@ -672,12 +703,13 @@ def _sum_partials(part: torch.Tensor, weight: torch.Tensor, traceable: bool) -> 
 def rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: dict | None = None,
     need_rstd: bool = True, traceable: bool = False, out_dtype: torch.dtype | None = None,
+    offset: float = 0.0, llama: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel.
 
     Args:
         x: input (*, H) in float32/float16/bfloat16, on CUDA or (interpreter) CPU.
-        weight: gain (H,).
+        weight: gain (H,), or None (no scale).
         eps: added to the mean square.
         config: overrides of the launch configuration (looped, block_r, num_warps,
             programs_per_sm, chunk, even, coop, coop_block, coop_warps) for tuning sweeps.
@@ -686,24 +718,29 @@ def rms_norm_fwd(
         traceable: launch through ``wrap_triton`` (a ``triton_op`` body).
         out_dtype: y's dtype (default x's): the cast a following autocast layer would
             make, done by the store instead of by a kernel of its own.
+        offset: added to the weight in float32 (Gemma's ``1 + weight``: 1.0).
+        llama: round x_hat to x's dtype before the weight multiplies it (casting mode
+            "llama"; the weight gradient then sums dy times that rounded x_hat).
 
     Returns:
         (y with x's shape and ``out_dtype``, rstd of shape (rows,) in float32 or None).
     """
-    y, _, rstd = _forward(x, None, weight, eps, config, need_rstd, traceable, out_dtype)
+    y, _, rstd = _forward(x, None, weight, eps, config, need_rstd, traceable, out_dtype,
+                          _mode(weight, offset, llama))
     return y, rstd
 
 
 def fused_add_rms_norm_fwd(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
     need_rstd: bool = True, traceable: bool = False, config: dict | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, offset: float = 0.0, llama: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """s = x + residual (in x's dtype), y = RMSNorm(s) * weight, in one pass over x and
     residual. Returns (y, s, rstd or None) of x's shape; s has x's dtype and y
     ``out_dtype`` (default x's). A residual of another shape or device is refused before
     any work (``_forward``)."""
-    return _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype)
+    return _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype,
+                    _mode(weight, offset, llama))
 
 
 def _all_contiguous(*tensors) -> bool:
@@ -714,23 +751,24 @@ def _all_contiguous(*tensors) -> bool:
     return True
 
 
-def _fwd_key(x, residual, weight, need_rstd, eps, out_dtype) -> tuple:
+def _fwd_key(x, residual, weight, need_rstd, eps, out_dtype, mode) -> tuple:
     """What fixes the grid and scalar arguments of an eager rows forward on contiguous
     tensors, whose shape gives the rows, the columns and the row stride (see LaunchCache).
     The devices are in it because the launch takes bare addresses: a plan is only ever
     recorded for a call whose tensors share a device, so a mixed call finds none."""
     r = x if residual is None else residual
-    return (x.shape, r.shape, weight.shape, x.dtype, r.dtype, weight.dtype, x.get_device(),
-            r.get_device(), weight.get_device(), residual is None, need_rstd, eps, out_dtype)
+    w = x if weight is None else weight
+    return (x.shape, r.shape, w.shape, x.dtype, r.dtype, w.dtype, x.get_device(),
+            r.get_device(), w.get_device(), residual is None, need_rstd, eps, out_dtype, mode)
 
 
-def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype):
+def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype, mode):
     """The eager rows forward of a contiguous shape launched before; None where it does
     not apply. The outputs are allocated in x's shape, so no view is made (each costs a
     dispatcher call, several µs of host time)."""
     if not _all_contiguous(x, residual, weight):
         return None
-    plan = _FWD_PLANS.get(_fwd_key(x, residual, weight, need_rstd, eps, out_dtype))
+    plan = _FWD_PLANS.get(_fwd_key(x, residual, weight, need_rstd, eps, out_dtype, mode))
     if plan is None:
         return None
     # empty_like reads shape, dtype and device from a tensor: about half the host time of
@@ -740,23 +778,25 @@ def _forward_fast(x, residual, weight, eps, need_rstd, out_dtype):
     rstd = torch.empty_like(plan[4]) if need_rstd else None
     py = y.data_ptr()
     prstd = py if rstd is None else rstd.data_ptr()  # y stands in for an unwritten rstd
+    px = x.data_ptr()
+    pw = px if weight is None else weight.data_ptr()  # x stands in for an absent weight
     if plan[3] == 6:  # _k.fwd_rows_kernel
-        px = x.data_ptr()
-        ptrs = (px, px if residual is None else residual.data_ptr(), weight.data_ptr(), py,
+        ptrs = (px, px if residual is None else residual.data_ptr(), pw, py,
                 py if s is None else s.data_ptr(), prstd)
     else:  # the re-reading forward
-        ptrs = (x.data_ptr(), weight.data_ptr(), py, prstd)
+        ptrs = (px, pw, py, prstd)
     if not LaunchCache.launch(plan, current_stream(x.get_device()), ptrs):
         return None
     return y, s, rstd
 
 
-def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=None):
+def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=None,
+             mode=_PLAIN):
     if not traceable and config is None:
-        fast = _forward_fast(x, residual, weight, eps, need_rstd, out_dtype)
+        fast = _forward_fast(x, residual, weight, eps, need_rstd, out_dtype, mode)
         if fast is not None:
             return fast
-    if weight.device != x.device:  # the direct launch passes bare addresses
+    if weight is not None and weight.device != x.device:  # the launch takes bare addresses
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if residual is not None and (residual.shape != x.shape or residual.device != x.device):
         check_residual(x, residual, kernel=True)  # raises, naming what differs
@@ -772,19 +812,21 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
         rstd = x2.new_empty((0,), dtype=torch.float32) if need_rstd else None
         s = None if s2 is None else _like(s2, x)
         return _like(y2, x), s, rstd
-    w = weight if weight.is_contiguous() else weight.contiguous()
+    # x stands in for an absent weight (HAS_W is False: nothing reads it).
+    w = x2 if weight is None else weight if weight.is_contiguous() else weight.contiguous()
     looped = fwd_is_looped(n_cols, config.get("looped") if config else None)
     if residual is not None and looped:
         # Rows too long for one block: the add runs apart, then the long-row forward.
         s2 = (x2.float() + _as_rows(residual).float()).to(x.dtype)
-        y, _, rstd = _forward(s2, None, w, eps, config, need_rstd, traceable, out_dtype)
+        y, _, rstd = _forward(s2, None, weight, eps, config, need_rstd, traceable, out_dtype,
+                              mode)
         return _like(y, x), _like(s2, x), rstd
     # Only the fused kernels can skip rstd (y2 then stands in for its unused pointer).
     store_rstd = need_rstd or looped
     rstd = x2.new_empty((n_rows,), dtype=torch.float32) if store_rstd else None
     launch = _launcher(traceable)
     if looped:
-        _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch)
+        _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch, mode)
     else:
         block_h, cfg = fwd_config(n_cols, x.element_size())
         block_r = config.get("block_r", cfg.block_r) if config else cfg.block_r
@@ -797,16 +839,16 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
             even = even and n_cols % chunk == 0 and n_rows % block_r == 0
             kernel, n_ptrs = _k.fwd_rows_reread_kernel, 4
             args = (x2, w, y2, out_rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
-            consts = (block_r, chunk, even, store_rstd)
+            consts = (block_r, chunk, even, store_rstd, *mode)
         else:
             kernel, n_ptrs = _k.fwd_rows_kernel, 6
             args = (x2, r2, w, y2, y2 if s2 is None else s2, out_rstd, n_rows, n_cols,
                     x2.stride(0), r2.stride(0), n_cols, eps)
-            consts = (block_r, block_h, store_rstd, residual is not None)
+            consts = (block_r, block_h, store_rstd, residual is not None, *mode)
         grid = (cdiv(n_rows, block_r), 1, 1)
         compiled = launch(kernel, grid, args, consts, num_warps)
         if not traceable and config is None and _all_contiguous(x, residual, weight):
-            key = _fwd_key(x, residual, weight, need_rstd, eps, out_dtype)
+            key = _fwd_key(x, residual, weight, need_rstd, eps, out_dtype, mode)
             # rstd (float32, (rows,)) as the template the fast path allocates rstd like;
             # only its shape, dtype and device are read (it keeps 4 bytes a row alive per
             # recorded shape; None when no rstd is written).
@@ -815,7 +857,7 @@ def _forward(x, residual, weight, eps, config, need_rstd, traceable, out_dtype=N
     return _like(y2, x), s, (rstd if need_rstd else None)
 
 
-def _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch):
+def _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch, mode):
     """Rows longer than a fused block: cooperative where it can run, else two passes."""
     coop = _coop_plan(x, n_rows, n_cols, config)
     args = (x2, w, y2, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps)
@@ -824,7 +866,7 @@ def _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch):
         slots = torch.zeros((n_rows, n_slices), dtype=torch.int64, device=x2.device)
         launch(_k.fwd_coop_kernel, (n_groups * n_slices, 1, 1),
                (x2, w, y2, rstd, slots, n_rows, n_cols, n_slices, x2.stride(0), n_cols, eps),
-               (block, next_pow2(n_slices, 16)), num_warps, cooperative=True)
+               (block, next_pow2(n_slices, 16), *mode), num_warps, cooperative=True)
         return
     # One row per program at a time, read twice (sum of squares, then normalise). With
     # few programs per SM the rows in flight fit in L2, so the second read hits it.
@@ -836,7 +878,7 @@ def _forward_long(x, x2, w, y2, rstd, n_rows, n_cols, eps, config, launch):
         per_sm = config.get("programs_per_sm", per_sm)
     chunk = min(chunk, next_pow2(n_cols, 16))
     grid = (min(n_rows, _n_programs(x, per_sm)), 1, 1)
-    launch(_k.fwd_looped_kernel, grid, args, (chunk,), num_warps)
+    launch(_k.fwd_looped_kernel, grid, args, (chunk, *mode), num_warps)
 
 
 # --------------------------------------------------------------------------- backward
@@ -852,13 +894,15 @@ def rms_norm_bwd(
     needs_dw: bool = True,
     config: dict | None = None,
     traceable: bool = False,
+    offset: float = 0.0,
+    llama: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Run the backward kernels; never writes into ``grad_output``.
 
     Args:
         grad_output: dL/dy, x's shape.
         x: the forward's input.
-        weight: the forward's gain (H,).
+        weight: the forward's gain (H,), or None.
         rstd: the forward's per-row 1/RMS, float32 (rows,).
         needs_dx: compute dL/dx (else None is returned in its place).
         needs_dw: compute dL/dweight (else None).
@@ -866,19 +910,21 @@ def rms_norm_bwd(
             programs_per_sm, looped, chunk, row_sum, stages, prefetch, fold, fold_tile,
             spin_ns, coop, coop_block, coop_warps) for tuning sweeps.
         traceable: launch through ``wrap_triton`` (a ``triton_op`` body).
+        offset, llama: the forward's (see ``rms_norm_fwd``).
 
     Returns:
         (dx in x's dtype and shape or None, dweight in the weight's dtype or None).
     """
     dx, _, dw = _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, None,
-                          None, traceable)
+                          None, traceable, _mode(weight, offset, llama))
     return dx, dw
 
 
 def fused_add_rms_norm_bwd(
     grad_y: torch.Tensor, grad_sum: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
     rstd: torch.Tensor, residual_dtype: torch.dtype, *, needs_dw: bool = True,
-    traceable: bool = False, config: dict | None = None,
+    traceable: bool = False, config: dict | None = None, offset: float = 0.0,
+    llama: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of ``fused_add_rms_norm_fwd``: x and residual get the same gradient, the
     norm's dx plus ``grad_sum`` (None when the sum was not used). Returns (dx in s's
@@ -888,27 +934,27 @@ def fused_add_rms_norm_bwd(
         raise ValueError(f"grad_sum {tuple(grad_sum.shape)} must have the sum's shape "
                          f"{tuple(s.shape)}")
     return _backward(grad_y, s, weight, rstd, True, needs_dw, config, grad_sum,
-                     residual_dtype, traceable)
+                     residual_dtype, traceable, _mode(weight, offset, llama))
 
 
-def _bwd_key(grad_output, x, weight, rstd, ds, needs_dx, needs_dw, dr_dtype) -> tuple:
+def _bwd_key(grad_output, x, weight, rstd, ds, needs_dx, needs_dw, dr_dtype, mode) -> tuple:
     """What fixes the grid and scalar arguments of an eager fused backward on contiguous
     tensors (see ``_fwd_key``)."""
     d = x if ds is None else ds
     return (x.shape, grad_output.shape, d.shape, weight.shape, x.dtype, grad_output.dtype,
             d.dtype, weight.dtype, dr_dtype, x.get_device(), grad_output.get_device(),
             d.get_device(), rstd.get_device(), weight.get_device(), ds is None, needs_dx,
-            needs_dw, OPTIONS.fold_dw_sum)
+            needs_dw, OPTIONS.fold_dw_sum, mode)
 
 
-def _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype):
+def _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype, mode):
     """The eager, folded rows backward of a contiguous shape launched before; None where
     it does not apply. Returns (dx, dr, dweight) as ``_backward`` does, allocated in x's
     shape (no views)."""
     if not _all_contiguous(x, grad_output, ds, weight):
         return None
     plan = _BWD_PLANS.get(_bwd_key(grad_output, x, weight, rstd, ds, needs_dx, needs_dw,
-                                   dr_dtype))
+                                   dr_dtype, mode))
     if plan is None:
         return None
     scratch = eager_scratch(x, plan[1][0], x.shape[-1])
@@ -931,18 +977,21 @@ def _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtyp
 
 
 def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_dtype,
-              traceable):
+              traceable, mode=_PLAIN):
+    needs_dw = needs_dw and weight is not None
     if not traceable and config is None and needs_dw:
-        fast = _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype)
+        fast = _backward_fast(grad_output, x, weight, rstd, needs_dx, needs_dw, ds, dr_dtype,
+                              mode)
         if fast is not None:
             return fast
+    w_device = x.device if weight is None else weight.device
     # The direct launch passes bare addresses: a tensor elsewhere must fail here.
-    if grad_output.shape != x.shape or not (grad_output.device == x.device == weight.device
+    if grad_output.shape != x.shape or not (grad_output.device == x.device == w_device
                                             == rstd.device):
         raise ValueError(
             f"grad_output {tuple(grad_output.shape)} on {grad_output.device} must match x "
             f"{tuple(x.shape)} on {x.device}, with weight and rstd on the same device "
-            f"(weight on {weight.device}, rstd on {rstd.device})")
+            f"(weight on {w_device}, rstd on {rstd.device})")
     n_cols = int(x.shape[-1])  # specialised under dynamic shapes, as in _forward
     x2 = _as_rows(x)
     dy2 = _as_rows(grad_output)
@@ -954,11 +1003,11 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
         dw = torch.zeros_like(weight) if needs_dw and n_rows == 0 else None
         return dx, dr, dw
     dx2 = x2.new_empty((n_rows, n_cols)) if needs_dx else x2
-    w = weight if weight.is_contiguous() else weight.contiguous()
+    w = x2 if weight is None else weight if weight.is_contiguous() else weight.contiguous()
     looped = bwd_is_looped(n_cols, config.get("looped") if config else None)
     if looped:
         dw = _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw,
-                            config, traceable)
+                            config, traceable, mode)
         dx = _like(dx2, x) if needs_dx else None
         if ds is not None:  # the fused add's gradient on long rows: added apart
             dx = dx.add_(ds)
@@ -967,11 +1016,13 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
     ds2 = x2 if ds is None else _as_rows(ds)
     dr2 = x2.new_empty((n_rows, n_cols), dtype=dr_dtype) if two_outs else dx2
     plan_key = None
-    if not traceable and config is None and _all_contiguous(x, grad_output, ds, weight):
-        plan_key = _bwd_key(grad_output, x, weight, rstd, ds, needs_dx, needs_dw, dr_dtype)
+    if not traceable and config is None and needs_dw and _all_contiguous(x, grad_output, ds,
+                                                                         weight):
+        plan_key = _bwd_key(grad_output, x, weight, rstd, ds, needs_dx, needs_dw, dr_dtype,
+                            mode)
     dw = _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols,
                         needs_dx, needs_dw, ds is not None, two_outs, config, traceable,
-                        plan_key)
+                        plan_key, mode)
     if not needs_dx:
         return None, None, dw
     dx = _like(dx2, x)
@@ -980,7 +1031,7 @@ def _backward(grad_output, x, weight, rstd, needs_dx, needs_dw, config, ds, dr_d
 
 
 def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, needs_dx,
-                   needs_dw, has_ds, has_dr, config, traceable, plan_key=None):
+                   needs_dw, has_ds, has_dr, config, traceable, plan_key=None, mode=_PLAIN):
     """The fused persistent backward; returns dweight (None when not needed). A folded
     launch is recorded under ``plan_key`` for ``_backward_fast``."""
     block_h, cfg = bwd_config(n_cols, x.element_size())
@@ -1013,7 +1064,7 @@ def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, n
     consts = (block_r, block_h, needs_dx, needs_dw, prefetch, row_sum, stages, has_ds, has_dr)
     try:
         return _launch_fused_bwd(args, consts, weight, num_warps, fold, config, traceable,
-                                 plan_key)
+                                 plan_key, mode)
     except RuntimeError as err:
         if not fold:
             raise
@@ -1022,7 +1073,8 @@ def _backward_rows(x, x2, w, weight, dy2, rstd, dx2, ds2, dr2, n_rows, n_cols, n
         warnings.warn(f"tritonnorm: cooperative backward launch refused ({err}); "
                       "summing dweight in a second kernel", RuntimeWarning, stacklevel=3)
         _FOLD_REFUSED.add(refusal_key)
-        return _launch_fused_bwd(args, consts, weight, num_warps, False, config, traceable)
+        return _launch_fused_bwd(args, consts, weight, num_warps, False, config, traceable,
+                                 None, mode)
 
 
 def _max_summers(x: torch.Tensor) -> int:
@@ -1034,7 +1086,8 @@ def _max_summers(x: torch.Tensor) -> int:
 
 
 def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warps: int,
-                      fold: bool, config: dict | None, traceable: bool, plan_key=None):
+                      fold: bool, config: dict | None, traceable: bool, plan_key=None,
+                      mode=_PLAIN):
     """Launch _k.bwd_rows_kernel; return dweight (None when it is not needed).
 
     ``args`` are the kernel's runtime arguments without DW, COUNTER and n_red, and
@@ -1055,7 +1108,7 @@ def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warp
     spin_ns = (config or {}).get("spin_ns", OPTIONS.spin_ns) if x2.is_cuda else 0
     grid = (dw_part.shape[0], 1, 1)
     full_args = (*args[:8], dw, counter, *args[8:], n_red)
-    full_consts = (*consts, fold, red_p, red_c, spin_ns)
+    full_consts = (*consts, fold, red_p, red_c, spin_ns, *mode)
     compiled = _launcher(traceable)(_k.bwd_rows_kernel, grid, full_args, full_consts, num_warps,
                                     cooperative=fold)
     if fold:
@@ -1066,7 +1119,7 @@ def _launch_fused_bwd(args: tuple, consts: tuple, weight: torch.Tensor, num_warp
 
 
 def _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw, config,
-                   traceable):
+                   traceable, mode=_PLAIN):
     """Rows longer than a fused block; returns dweight (None when not needed)."""
     launch = _launcher(traceable)
     coop = None if traceable else _coop_plan(x, n_rows, n_cols, config, backward=True)
@@ -1078,7 +1131,7 @@ def _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw,
         launch(_k.bwd_coop_kernel, (n_groups * n_slices, 1, 1),
                (x2, w, dy2, rstd, slots, dx2, dw_part, n_rows, n_cols, n_slices,
                 x2.stride(0), dy2.stride(0), dx2.stride(0)),
-               (block, next_pow2(n_slices, 16), needs_dx, needs_dw), num_warps,
+               (block, next_pow2(n_slices, 16), needs_dx, needs_dw, *mode), num_warps,
                cooperative=True)
     else:
         chunk, num_warps = OPTIONS.loop_chunk_bwd, LOOP.bwd_warps
@@ -1095,12 +1148,12 @@ def _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw,
         launch(_k.bwd_slices_kernel, (n_slices, n_groups, 1),
                (x2, w, dy2, rstd, dot_part, dw_part, n_rows, n_cols, x2.stride(0),
                 dy2.stride(0)),
-               (chunk, needs_dx, needs_dw), num_warps)
+               (chunk, needs_dx, needs_dw, *mode), num_warps)
         if needs_dx:
             launch(_k.bwd_dx_looped_kernel, (n_rows, n_slices, 1),
                    (x2, w, dy2, rstd, dot_part, dx2, n_rows, n_cols, n_slices,
                     x2.stride(0), dy2.stride(0), dx2.stride(0)),
-                   (chunk, next_pow2(n_slices, 16)), num_warps)
+                   (chunk, next_pow2(n_slices, 16), *mode), num_warps)
     return _sum_partials(dw_part, w, traceable) if needs_dw else None
 
 
@@ -1108,58 +1161,91 @@ def _backward_long(x, x2, w, dy2, rstd, dx2, n_rows, n_cols, needs_dx, needs_dw,
 # The eager autograd.Functions
 # ============================================================================
 
+
+def _check_kernel_out(out_dtype) -> None:
+    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
+        check_out_dtype(out_dtype, kernel=True)  # raises, naming it
+
+
+def _kernel_mode(x, weight, casting_mode, offset, out_dtype):
+    """(llama, offset, out_dtype) of a kernel call, checked; the default mode costs one
+    comparison."""
+    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
+        llama = False
+    else:
+        llama, offset = check_mode(casting_mode, offset, weight)
+    if out_dtype is None:
+        if llama and weight is not None and weight.dtype != x.dtype:
+            out_dtype = default_out_dtype(x, weight, llama)
+    else:
+        _check_kernel_out(out_dtype)
+    return llama, offset, out_dtype
+
+
 class RMSNormFunction(torch.autograd.Function):
     """RMSNorm with Triton forward and backward kernels.
 
-    ``RMSNormFunction.apply(x, weight, eps=1e-5)`` runs on any tensor Triton takes: CUDA,
-    or CPU when ``TRITON_INTERPRET=1`` was set before Triton was imported. The forward
-    saves x, weight and one float32 rstd per row; the backward recomputes x_hat from them.
-    y has ``out_dtype`` (default x's), dx x's dtype, dweight the weight's dtype.
+    ``RMSNormFunction.apply(x, weight, eps=1e-5, out_dtype=None, casting_mode="none",
+    offset=0.0)`` runs on any tensor Triton takes: CUDA, or CPU when ``TRITON_INTERPRET=1``
+    was set before Triton was imported; ``weight`` may be None. The forward saves x,
+    weight and one float32 rstd per row; the backward recomputes x_hat from them. y has
+    ``out_dtype`` (default as ``rms_norm`` says), dx x's dtype, dweight the weight's.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight, eps: float = 1e-5,
+                out_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+                casting_mode: str = "none", offset: float = 0.0) -> torch.Tensor:
         if _k is None:
             raise triton_unavailable_error()
         eps = kernel_eps(x, weight, eps)
+        llama, offset, out_dtype = _kernel_mode(x, weight, casting_mode, offset, out_dtype)
         # No input needs a gradient: no backward will run, so skip rstd.
         need_rstd = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        y, rstd = rms_norm_fwd(x, weight, eps, need_rstd=need_rstd, out_dtype=out_dtype)
+        y, rstd = rms_norm_fwd(x, weight, eps, need_rstd=need_rstd, out_dtype=out_dtype,
+                               offset=offset, llama=llama)
         if need_rstd:
             ctx.save_for_backward(x, weight, rstd)
+            ctx.mode = (offset, llama)
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = rms_norm_bwd(
-            grad_output, x, weight, rstd, needs_dx=need_x, needs_dw=need_w
-        )
-        return dx, dw, None, None
+        offset, llama = ctx.mode
+        dx, dw = rms_norm_bwd(grad_output, x, weight, rstd, needs_dx=need_x, needs_dw=need_w,
+                              offset=offset, llama=llama)
+        return dx, dw, None, None, None, None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
     """``(y, s)`` with ``s = x + residual`` (in x's dtype) and ``y = RMSNorm(s) * weight``,
     one Triton kernel each way.
 
-    The forward reads x and residual once and writes s and y; it saves s, weight and
-    rstd. The backward reads dy, ds (the gradient reaching s directly, when s was used)
-    and s once, and
-    writes one gradient shared by x and residual (plus a copy in the residual's dtype when
-    that differs from x's) and dweight.
+    ``FusedAddRMSNormFunction.apply(x, residual, weight, eps=1e-5, out_dtype=None,
+    casting_mode="none", offset=0.0)``. The forward reads x and residual once and writes
+    s and y; it saves s, weight and rstd. The backward reads dy, ds (the gradient reaching
+    s directly, when s was used) and s once, and writes one gradient shared by x and
+    residual (plus a copy in the residual's dtype when that differs from x's) and dweight.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float = 1e-5, out_dtype: torch.dtype | None = None):
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight, eps: float = 1e-5,
+                out_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+                casting_mode: str = "none", offset: float = 0.0):
         if _k is None:
             raise triton_unavailable_error()
         eps = kernel_eps(x, weight, eps)
-        y, s, rstd = fused_add_rms_norm_fwd(x, residual, weight, eps,
-                                                    out_dtype=out_dtype)
+        # Checked before any launch: the kernels would read an int32 residual as bits.
+        if not (isinstance(residual, torch.Tensor) and residual.dtype in KERNEL_DTYPES
+                and residual.shape == x.shape and residual.device == x.device):
+            check_residual(x, residual, kernel=True)
+        llama, offset, out_dtype = _kernel_mode(x, weight, casting_mode, offset, out_dtype)
+        y, s, rstd = fused_add_rms_norm_fwd(x, residual, weight, eps, out_dtype=out_dtype,
+                                            offset=offset, llama=llama)
         ctx.residual_dtype = residual.dtype
+        ctx.mode = (offset, llama)
         ctx.save_for_backward(s, weight, rstd)
         # An unused output's gradient comes as None rather than a tensor of zeros made
         # for it (an allocation and a fill): the last norm of a model uses y alone.
@@ -1168,15 +1254,17 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor | None, grad_sum: torch.Tensor | None):
+        none4 = (None, None, None, None)
         if grad_y is None:  # only the sum was used: it passes its gradient on unchanged
             if grad_sum is None:
-                return None, None, None, None, None
-            return grad_sum, grad_sum.to(ctx.residual_dtype), None, None, None
+                return None, None, None, *none4
+            return grad_sum, grad_sum.to(ctx.residual_dtype), None, *none4
         s, weight, rstd = ctx.saved_tensors
+        offset, llama = ctx.mode
         dx, dr, dw = fused_add_rms_norm_bwd(
             grad_y, grad_sum, s, weight, rstd, ctx.residual_dtype,
-            needs_dw=ctx.needs_input_grad[2])
-        return dx, dr, dw, None, None
+            needs_dw=ctx.needs_input_grad[2], offset=offset, llama=llama)
+        return dx, dr, dw, *none4
 
 
 # ============================================================================
@@ -1185,7 +1273,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
 HAS_LIBRARY_OPS = HAS_TRITON and (HAS_TRITON_OP or (hasattr(torch.library, "custom_op")
-                              and hasattr(torch.library, "register_autograd")))
+                                                    and hasattr(torch.library,
+                                                                "register_autograd")))
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -1198,82 +1287,97 @@ def _empty_to_none(t: torch.Tensor, wanted: bool):
 
 if HAS_LIBRARY_OPS:
     _op = torch.library.triton_op if HAS_TRITON_OP else torch.library.custom_op
+    # Optional[...] rather than "| None" below: the schema is inferred from these.
 
     @_op("tritonnorm::rms_norm_fwd", mutates_args=())
-    def rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out_dtype: Optional[torch.dtype] = None,  # noqa: UP045 (schema inference)
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,  # noqa: UP045
+                        out_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+                        offset: float = 0.0, llama: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(y, rstd); arguments checked by the caller."""
-        return rms_norm_fwd(x, weight, eps, traceable=HAS_TRITON_OP,
-                                    out_dtype=out_dtype)
+        return rms_norm_fwd(x, weight, eps, traceable=HAS_TRITON_OP, out_dtype=out_dtype,
+                            offset=offset, llama=llama)
 
     @_op("tritonnorm::rms_norm_bwd", mutates_args=())
-    def rms_norm_bwd_op(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     rstd: torch.Tensor, needs_dx: bool,
-                     needs_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def rms_norm_bwd_op(grad_output: torch.Tensor, x: torch.Tensor,
+                        weight: Optional[torch.Tensor],  # noqa: UP045
+                        rstd: torch.Tensor, needs_dx: bool, needs_dw: bool,
+                        offset: float = 0.0, llama: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(dx, dweight); one not asked for comes back empty (an op returns no None)."""
         dx, dw = rms_norm_bwd(grad_output, x, weight, rstd, needs_dx=needs_dx,
-                                      needs_dw=needs_dw, traceable=HAS_TRITON_OP)
+                              needs_dw=needs_dw, traceable=HAS_TRITON_OP, offset=offset,
+                              llama=llama)
         return (x.new_empty((0,)) if dx is None else dx,
-                weight.new_empty((0,)) if dw is None else dw)
+                x.new_empty((0,)) if dw is None else dw)
 
     @_op("tritonnorm::fused_add_rms_norm_fwd", mutates_args=())
     def fused_add_rms_norm_fwd_op(
-        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        out_dtype: Optional[torch.dtype] = None,  # noqa: UP045 (schema inference)
+        x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],  # noqa: UP045
+        eps: float, out_dtype: Optional[torch.dtype] = None,  # noqa: UP045
+        offset: float = 0.0, llama: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(y, x + residual, rstd); arguments checked by the caller."""
-        return fused_add_rms_norm_fwd(x, residual, weight, eps,
-                                              traceable=HAS_TRITON_OP, out_dtype=out_dtype)
+        return fused_add_rms_norm_fwd(x, residual, weight, eps, traceable=HAS_TRITON_OP,
+                                      out_dtype=out_dtype, offset=offset, llama=llama)
 
     @_op("tritonnorm::fused_add_rms_norm_bwd", mutates_args=())
     def fused_add_rms_norm_bwd_op(
-        grad_y: torch.Tensor, grad_sum: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+        grad_y: torch.Tensor, grad_sum: torch.Tensor, s: torch.Tensor,
+        weight: Optional[torch.Tensor],  # noqa: UP045
         rstd: torch.Tensor, residual_dtype: torch.dtype, needs_dw: bool,
+        offset: float = 0.0, llama: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dx, dresidual, dweight). An op's outputs may not alias each other, so when the
         residual has x's dtype (one gradient serves both) dresidual comes back empty."""
-        dx, dr, dw = fused_add_rms_norm_bwd_op(grad_y, grad_sum, s, weight, rstd,
-                                                    residual_dtype, needs_dw=needs_dw,
-                                                    traceable=HAS_TRITON_OP)
+        dx, dr, dw = fused_add_rms_norm_bwd(grad_y, grad_sum, s, weight, rstd,
+                                            residual_dtype, needs_dw=needs_dw,
+                                            traceable=HAS_TRITON_OP, offset=offset,
+                                            llama=llama)
         return (dx, s.new_empty((0,)) if dr is dx else dr,
-                weight.new_empty((0,)) if dw is None else dw)
+                s.new_empty((0,)) if dw is None else dw)
 
     if not HAS_TRITON_OP:  # a custom op needs its shapes spelled out for tracing
 
+        def _dw_like(weight, needs_dw, x):
+            return torch.empty_like(weight) if needs_dw else x.new_empty((0,))
+
         @rms_norm_fwd_op.register_fake
-        def _(x, weight, eps, out_dtype=None):
+        def _(x, weight, eps, out_dtype=None, offset=0.0, llama=False):
             y = torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype)
             return y, x.new_empty((_rows(x),), dtype=torch.float32)
 
         @rms_norm_bwd_op.register_fake
-        def _(grad_output, x, weight, rstd, needs_dx, needs_dw):
+        def _(grad_output, x, weight, rstd, needs_dx, needs_dw, offset=0.0, llama=False):
             dx = (torch.empty_like(x, memory_format=torch.contiguous_format) if needs_dx
                   else x.new_empty((0,)))
-            return dx, torch.empty_like(weight) if needs_dw else weight.new_empty((0,))
+            return dx, _dw_like(weight, needs_dw and weight is not None, x)
 
         @fused_add_rms_norm_fwd_op.register_fake
-        def _(x, residual, weight, eps, out_dtype=None):
+        def _(x, residual, weight, eps, out_dtype=None, offset=0.0, llama=False):
             y = torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype)
             s = torch.empty_like(x, memory_format=torch.contiguous_format)
             return y, s, x.new_empty((_rows(x),), dtype=torch.float32)
 
         @fused_add_rms_norm_bwd_op.register_fake
-        def _(grad_y, grad_sum, s, weight, rstd, residual_dtype, needs_dw):
+        def _(grad_y, grad_sum, s, weight, rstd, residual_dtype, needs_dw, offset=0.0,
+              llama=False):
             dx = torch.empty_like(s, memory_format=torch.contiguous_format)
             dr = (s.new_empty((0,)) if residual_dtype == s.dtype
                   else torch.empty_like(dx, dtype=residual_dtype))
-            return dx, dr, torch.empty_like(weight) if needs_dw else weight.new_empty((0,))
+            return dx, dr, _dw_like(weight, needs_dw and weight is not None, s)
 
     def _rms_setup(ctx, inputs, output):
         x, weight = inputs[:2]
+        ctx.mode = (inputs[4], inputs[5]) if len(inputs) > 5 else (0.0, False)
         ctx.save_for_backward(x, weight, output[1])
 
     def _rms_backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = rms_norm_bwd_op(grad_y, x, weight, rstd, need_x, need_w)
-        return _empty_to_none(dx, need_x), _empty_to_none(dw, need_w), None, None
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1] and weight is not None
+        dx, dw = rms_norm_bwd_op(grad_y, x, weight, rstd, need_x, need_w, *ctx.mode)
+        return _empty_to_none(dx, need_x), _empty_to_none(dw, need_w), None, None, None, None
 
     torch.library.register_autograd("tritonnorm::rms_norm_fwd", _rms_backward,
                                     setup_context=_rms_setup)
@@ -1281,6 +1385,7 @@ if HAS_LIBRARY_OPS:
     def _add_setup(ctx, inputs, output):
         residual, weight = inputs[1:3]
         ctx.residual_dtype = residual.dtype
+        ctx.mode = (inputs[5], inputs[6]) if len(inputs) > 6 else (0.0, False)
         ctx.save_for_backward(output[1], weight, output[2])
 
     def _add_backward(ctx, grad_y, grad_sum, _grad_rstd):
@@ -1289,11 +1394,11 @@ if HAS_LIBRARY_OPS:
             grad_y = torch.zeros_like(s)
         if grad_sum is None:
             grad_sum = torch.zeros_like(s)
-        need_w = ctx.needs_input_grad[2]
+        need_w = ctx.needs_input_grad[2] and weight is not None
         dx, dr, dw = fused_add_rms_norm_bwd_op(grad_y, grad_sum, s, weight, rstd,
-                                            ctx.residual_dtype, need_w)
+                                               ctx.residual_dtype, need_w, *ctx.mode)
         dr = dx if ctx.residual_dtype == s.dtype else dr
-        return dx, dr, _empty_to_none(dw, need_w), None, None
+        return dx, dr, _empty_to_none(dw, need_w), None, None, None, None
 
     torch.library.register_autograd("tritonnorm::fused_add_rms_norm_fwd", _add_backward,
                                     setup_context=_add_setup)
@@ -1302,6 +1407,7 @@ if HAS_LIBRARY_OPS:
 # ============================================================================
 # The entry points
 # ============================================================================
+
 
 def triton_unavailable_error() -> ImportError:
     """The error to raise when the Triton kernels are asked for but cannot be imported."""
@@ -1321,15 +1427,23 @@ def _pick_is_compiling():
 
 # Looked up once: the check runs on every call.
 _is_compiling = _pick_is_compiling()
+_F_RMS_NORM = getattr(torch.nn.functional, "rms_norm", None)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: PyTorch >= 2.9 runs ``F.rms_norm`` on CUDA as one fused kernel each way.
+HAS_FUSED_TORCH = _F_RMS_NORM is not None and _torch_version() >= (2, 9)
 
 
 def _use_kernels(x, weight) -> bool:
-    return (HAS_TRITON and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and x.is_cuda and x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES)
-
-
-def _kernel_out(out_dtype) -> bool:
-    return out_dtype is None or out_dtype in KERNEL_DTYPES
+    return (HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda
+            and x.dtype in KERNEL_DTYPES
+            and (weight is None or (isinstance(weight, torch.Tensor)
+                                    and weight.dtype in KERNEL_DTYPES)))
 
 
 def _via_op() -> bool:
@@ -1337,48 +1451,112 @@ def _via_op() -> bool:
     return HAS_LIBRARY_OPS and (_is_compiling() or OPTIONS.eager_op)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension: ``x / sqrt(mean(x**2, -1) + eps) * weight``.
+def _prefer_torch(x: torch.Tensor) -> bool:
+    """Whether an eager call on CUDA takes PyTorch's ``F.rms_norm`` (``OPTIONS.eager_dispatch``)."""
+    choice = OPTIONS.eager_dispatch
+    if choice == "kernels" or _F_RMS_NORM is None:
+        return False
+    if choice == "torch":
+        return True
+    if choice != "auto":
+        raise ValueError(f"OPTIONS.eager_dispatch must be 'auto', 'kernels' or 'torch', "
+                         f"got {choice!r}")
+    return HAS_FUSED_TORCH and x.numel() < OPTIONS.torch_below.get(str(x.dtype), 0)
 
-    CUDA tensors in float32/float16/bfloat16 run the Triton kernels; anything else runs
-    ``RMSNormTorchFunction``. Eager calls go through ``RMSNormFunction``; under
-    ``torch.compile`` through ``torch.ops.tritonnorm.rms_norm_fwd``, which Inductor
-    launches itself (``fullgraph=True`` and ``mode="reduce-overhead"`` work). Where no
-    gradient can flow the forward kernel runs alone, without writing the per-row statistic.
+
+def torch_rms_norm(x: torch.Tensor, weight, eps: float, out_dtype, llama: bool,
+                   offset: float) -> torch.Tensor:
+    """RMSNorm through PyTorch's ``F.rms_norm`` with tritonnorm's casting semantics
+    (arguments checked): "llama" normalises in x's dtype without a weight (x_hat rounded
+    once), then multiplies; "none"/"gemma" normalise in float32 with the float32 gain and
+    round once. Differentiable by autograd (PyTorch's own backward)."""
+    hidden = (x.shape[-1],)
+    if llama:
+        y = _F_RMS_NORM(x, hidden, None, eps)
+        if weight is not None:
+            y = y * (weight.float() + offset if offset else weight)
+    else:
+        g = None if weight is None else (weight.float() + offset if offset else weight.float())
+        y = _F_RMS_NORM(x.float(), hidden, g, eps)
+    out = out_dtype or default_out_dtype(x, weight, llama)
+    return y if y.dtype == out else y.to(out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
+             out_dtype: torch.dtype | None = None, casting_mode: str = "none",
+             offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dimension: ``x / sqrt(mean(x**2, -1) + eps) * (offset + weight)``.
+
+    CUDA tensors in float32/float16/bfloat16 run the Triton kernels, or, for eager calls
+    small enough to be host-bound, PyTorch's fused ``F.rms_norm`` with the same casting
+    semantics (``OPTIONS.eager_dispatch``, ``OPTIONS.torch_below``); anything else runs
+    ``RMSNormTorchFunction``. Under ``torch.compile`` the kernels run as
+    ``torch.ops.tritonnorm.rms_norm_fwd``, which Inductor launches itself
+    (``fullgraph=True`` and ``mode="reduce-overhead"`` work). Where no gradient can flow
+    the forward kernel runs alone, without writing the per-row statistic.
+
+    The casting modes, with x_hat = x * rsqrt(mean(x**2) + eps) and g = offset + weight:
+
+    * ``"none"`` (the default): x, weight and offset in float32, y = x_hat * g in float32,
+      rounded once to ``out_dtype`` (default x's dtype);
+    * ``"gemma"``: the same arithmetic, which is Hugging Face's GemmaRMSNorm
+      (``(x_hat * (1.0 + weight.float())).type_as(x)``, with ``offset=1.0``);
+    * ``"llama"``: x_hat is rounded to x's dtype first, then multiplied by g (in float32)
+      and rounded to ``out_dtype`` (default x's dtype promoted with the weight's):
+      Hugging Face's LlamaRMSNorm (``weight * x_hat.to(input_dtype)``).
+
+    The gradients take the rounding as the identity (as autograd takes a cast); the
+    weight's gradient is the sum of dy times what the weight multiplied (the rounded
+    x_hat in "llama" mode), accumulated in float32; the offset does not change it.
 
     Args:
-        x: input of shape (*, H).
-        weight: gain of shape (H,); may be float32 while x is half precision.
+        x: input of shape (*, H); any layout whose leading dims collapse to rows without a
+            copy (a contiguous (batch, seq, heads, head_dim) per-head tensor does) reaches
+            the kernels as it is.
+        weight: gain of shape (H,), or None (no scale); may be float32 while x is half
+            precision.
         eps: added to the mean square before the square root.
-        out_dtype: y's dtype, x's by default. Under autocast, the autocast dtype saves the
+        out_dtype: y's dtype (see the modes). Under autocast, the autocast dtype saves the
             cast the next layer would make (one kernel and a pass over y each way).
+        casting_mode: ``"none"``, ``"gemma"`` or ``"llama"``.
+        offset: 0.0 or 1.0, added to the weight in float32 (Gemma's ``1 + weight``).
 
     Returns:
-        y with x's shape and ``out_dtype``.
+        y with x's shape.
 
     Raises:
-        ValueError: weight is not of shape (H,), or x and weight are on different devices.
-        TypeError: a non-floating dtype.
+        ValueError: weight is not of shape (H,), x and weight are on different devices, an
+            unknown casting mode, an offset other than 0.0 and 1.0 (or one without a weight).
+        TypeError: a non-floating dtype (out_dtype included), or an eps that is no number.
     """
-    if not _use_kernels(x, weight) or not _kernel_out(out_dtype):
-        y = RMSNormTorchFunction.apply(x, weight, eps)
-        return y if out_dtype is None else y.to(out_dtype)
+    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
+        llama = False
+    else:
+        llama, offset = check_mode(casting_mode, offset, weight)
+    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
+        check_out_dtype(out_dtype)
+    if not _use_kernels(x, weight) or not (out_dtype is None or out_dtype in KERNEL_DTYPES):
+        return RMSNormTorchFunction.apply(x, weight, eps, out_dtype, casting_mode, offset)
+    if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
+        out_dtype = default_out_dtype(x, weight, llama)
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
-        return rms_norm_fwd_op(x, weight, check_eps(eps), out_dtype)[0]
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return rms_norm_fwd_op(x, weight, check_eps(eps), out_dtype, offset, llama)[0]
+    if _prefer_torch(x):
+        return torch_rms_norm(x, weight, kernel_eps(x, weight, eps), out_dtype, llama, offset)
+    if not (torch.is_grad_enabled()
+            and (x.requires_grad or (weight is not None and weight.requires_grad))):
         # Inference: nothing to record for autograd, and no rstd for a backward.
         return rms_norm_fwd(x, weight, kernel_eps(x, weight, eps), need_rstd=False,
-                                     out_dtype=out_dtype)[0]
-    return RMSNormFunction.apply(x, weight, eps, out_dtype)
+                            out_dtype=out_dtype, offset=offset, llama=llama)[0]
+    return RMSNormFunction.apply(x, weight, eps, out_dtype, casting_mode, offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
-    out_dtype: torch.dtype | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5,
+    *, out_dtype: torch.dtype | None = None, casting_mode: str = "none", offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual, weight, eps), x + residual)`` in one pass each way.
+    """``(rms_norm(x + residual, weight, eps, ...), x + residual)`` in one pass each way.
 
     The pre-norm Transformer's ``h = h + branch(...)`` then ``norm(h)``: on CUDA one
     Triton kernel reads x and residual once and writes the sum and the normalised sum,
@@ -1388,40 +1566,58 @@ def fused_add_rms_norm(
 
     The sum is rounded to **x's dtype** (pass the residual stream as ``x`` when it is
     float32 and the branch output half precision), and y is computed from the rounded
-    sum, exactly as ``rms_norm((x + residual).to(x.dtype), weight)`` would.
+    sum, exactly as ``rms_norm((x + residual).to(x.dtype), weight, ...)`` would.
 
     Args:
         x: input of shape (*, H); the sum takes its dtype.
         residual: what to add to x: x's shape and device, any floating dtype the kernels
             take.
-        weight: gain of shape (H,).
+        weight: gain of shape (H,), or None.
         eps: added to the mean square before the square root.
-        out_dtype: y's dtype, x's by default (see ``rms_norm``).
+        out_dtype, casting_mode, offset: as ``rms_norm``.
 
     Returns:
         (y, x + residual) with x's shape; the sum in x's dtype, y in ``out_dtype``.
 
     Raises:
-        ValueError: residual's shape or device differs from x's, or weight is not (H,).
-        TypeError: a non-floating dtype.
+        ValueError: residual's shape or device differs from x's, or as ``rms_norm``.
+        TypeError: a non-floating dtype (residual's and out_dtype included).
     """
+    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
+        llama = False
+    else:
+        llama, offset = check_mode(casting_mode, offset, weight)
+    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
+        check_out_dtype(out_dtype)
     if not (_use_kernels(x, weight) and isinstance(residual, torch.Tensor)
-            and residual.dtype in KERNEL_DTYPES and _kernel_out(out_dtype)):
+            and residual.dtype in KERNEL_DTYPES
+            and (out_dtype is None or out_dtype in KERNEL_DTYPES)):
         check_rms_norm_args(x, weight)
         check_residual(x, residual)
         s = (x + residual).to(x.dtype)
-        y = RMSNormTorchFunction.apply(s, weight, eps)
-        return (y if out_dtype is None else y.to(out_dtype)), s
+        y = RMSNormTorchFunction.apply(s, weight, eps, out_dtype, casting_mode, offset)
+        return y, s
+    if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
+        out_dtype = default_out_dtype(x, weight, llama)
     # A residual of another shape or device is refused by the launcher, before any work.
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
-        y, s, _ = fused_add_rms_norm_fwd_op(x, residual, weight, check_eps(eps),
-                                                       out_dtype)
+        check_residual(x, residual, kernel=True)
+        y, s, _ = fused_add_rms_norm_fwd_op(x, residual, weight, check_eps(eps), out_dtype,
+                                            offset, llama)
         return y, s
+    if _prefer_torch(x):
+        eps = kernel_eps(x, weight, eps)
+        check_residual(x, residual, kernel=True)
+        s = (x + residual).to(x.dtype)
+        return torch_rms_norm(s, weight, eps, out_dtype, llama, offset), s
     if not (torch.is_grad_enabled()
-            and (x.requires_grad or residual.requires_grad or weight.requires_grad)):
-        y, s, _ = fused_add_rms_norm_fwd(x, residual, weight,
-                                                  kernel_eps(x, weight, eps), need_rstd=False,
-                                                  out_dtype=out_dtype)
+            and (x.requires_grad or residual.requires_grad
+                 or (weight is not None and weight.requires_grad))):
+        check_residual(x, residual, kernel=True)
+        y, s, _ = fused_add_rms_norm_fwd(x, residual, weight, kernel_eps(x, weight, eps),
+                                         need_rstd=False, out_dtype=out_dtype, offset=offset,
+                                         llama=llama)
         return y, s
-    return FusedAddRMSNormFunction.apply(x, residual, weight, eps, out_dtype)
+    return FusedAddRMSNormFunction.apply(x, residual, weight, eps, out_dtype, casting_mode,
+                                         offset)
