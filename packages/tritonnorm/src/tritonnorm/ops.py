@@ -139,6 +139,11 @@ class KernelOptions:
     """Route eager calls through the registered ``torch.ops.tritonnorm`` operators (as
     compiled code does) instead of the autograd.Function: for tests and benchmarks."""
 
+    interpret_cpu: bool = False
+    """Let ``rms_norm`` and ``fused_add_rms_norm`` run the kernels on CPU tensors, as on
+    CUDA ones, under ``TRITON_INTERPRET=1`` (ignored otherwise): for tests of whole models
+    on a machine without a GPU."""
+
     eager_dispatch: str = "auto"
     """Which path an eager call on CUDA takes: "kernels" (always the Triton kernels),
     "torch" (always PyTorch's ``F.rms_norm``, fused on CUDA since PyTorch 2.9, with the
@@ -1440,7 +1445,8 @@ HAS_FUSED_TORCH = _F_RMS_NORM is not None and _torch_version() >= (2, 9)
 
 
 def _use_kernels(x, weight) -> bool:
-    return (HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda
+    return (HAS_TRITON and isinstance(x, torch.Tensor)
+            and (x.is_cuda or (_INTERPRET and OPTIONS.interpret_cpu))
             and x.dtype in KERNEL_DTYPES
             and (weight is None or (isinstance(weight, torch.Tensor)
                                     and weight.dtype in KERNEL_DTYPES)))
