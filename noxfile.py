@@ -61,8 +61,8 @@ def triton_interpret(session: nox.Session) -> None:
     _pytest(session, "-m", "triton", "-p", "no:cacheprovider", TRITON_INTERPRET="1")
 
 
-#: The transformers releases tritonnorm's Hugging Face drop-in is tested with.
-TRANSFORMERS = "transformers>=5.24,<5.25"
+#: The transformers releases tritonnorm's Hugging Face drop-in is tested with (4.57 and 5.24).
+TRANSFORMERS = "transformers>=4.57,<5.25"
 
 
 @nox.session(name="tests-hf")

@@ -23,6 +23,12 @@ Rows too long for one block (GPU: H > 16,384 in the backward, > 32,768 in the fo
   programs one at a time, so a wait would never end; rows longer than the GPU's SMs can
   hold): the forward reads each row twice, the backward reads x and dy twice.
 
+Every kernel takes three mode constexprs last: HAS_W (a weight, or a gain of 1), OFFSET
+(added to the weight in float32: 1.0 for Gemma's ``1 + weight``) and LLAMA (x_hat rounded
+to x's dtype before the gain multiplies it, as Hugging Face's LlamaRMSNorm does; the
+weight gradient then sums dy times that rounded x_hat). The offset leaves the weight
+gradient unchanged (d(offset + w)/dw = 1), so it stays exact.
+
 Nothing is accumulated with atomics (they only count arrivals or publish partials, which
 every reader sums in a fixed order), so two runs give bitwise the same results.
 """

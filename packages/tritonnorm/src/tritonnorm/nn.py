@@ -6,16 +6,27 @@ modules for them in place.
 
 What is swapped:
 
-* every ``torch.nn.RMSNorm`` (and every subclass of it that does not override ``forward``);
+* every ``torch.nn.RMSNorm`` (and every subclass of it that does not override ``forward``),
+  with a weight or without (``elementwise_affine=False`` becomes
+  ``RMSNorm(elementwise_affine=False)``: no parameter, no state-dict key);
 * every module whose class declares itself compatible with the class attribute
   ``__tritonnorm_compatible__ = True``. The declaration is a promise that the module
   computes ``x * rsqrt(mean(x**2, dim=-1, keepdim=True) + eps) * weight`` over the last
   dimension of its one input (in at least float32 for half-precision x, the result in x's
   dtype), where ``weight`` is its only parameter, 1-D, and ``eps`` is its ``eps`` or
   ``variance_epsilon`` attribute (a number >= 0, or None as ``torch.nn.RMSNorm`` means
-  it). It has no buffers and no submodules. A class may also be declared from outside
-  (``LlamaRMSNorm.__tritonnorm_compatible__ = True``); ``False`` opts a class out, an
-  ``nn.RMSNorm`` subclass included. Gemma's ``(1 + weight)`` norm must not declare it.
+  it). It has no buffers and no submodules. A class may also be declared from outside;
+  ``False`` opts a class out, an ``nn.RMSNorm`` subclass included;
+* every module with the structure of a Hugging Face ``transformers`` norm (a class outside
+  torch whose only tensor is a 1-D ``weight`` Parameter, with an ``eps`` or
+  ``variance_epsilon`` attribute and no submodules) whose forward, run on small random
+  CPU inputs (a copy holding a random weight of its own, float32 and bfloat16, two
+  scales), agrees with exactly one formula tritonnorm has: Llama's
+  ``weight * x_hat.to(dtype)`` (casting mode "llama"), OLMo 2's
+  ``(weight * x_hat).to(dtype)`` ("none") or Gemma's ``(x_hat * (1 + weight.float()))
+  .type_as(x)`` ("gemma", offset 1). The probe decides from what the module computes, so
+  no table of class names is needed (none of the tested families needed one). A module
+  that agrees with none is left alone, with a warning when its class name says RMSNorm.
 
 What is kept: the weight (the same ``Parameter`` object, so optimizers, DDP and anything
 else holding it keep working, and ``state_dict`` keys and values are unchanged), eps,
@@ -29,10 +40,6 @@ any other attribute set on the old instance.
 What is refused (``ValueError`` naming every such module, before anything is changed;
 ``strict=False`` leaves them as they are with a warning instead):
 
-* ``elementwise_affine=False`` (no weight): ``tritonnorm.RMSNorm`` always has a learned
-  weight. A stand-in ones tensor would be either a new parameter (a new state-dict key,
-  and an optimizer would train it) or a tensor created on the input's device at call
-  time (a per-call allocation, or a cache that CUDA-graph capture cannot own);
 * a ``normalized_shape`` of more than one dimension: tritonnorm normalises the last
   dimension only;
 * a module whose ``forward`` is replaced on the instance (accelerate's hooks, for one),
