@@ -1,10 +1,13 @@
 """tritonnorm: fused RMSNorm with Triton forward and backward kernels.
 
 Public API:
-    rms_norm(x, weight, eps=1e-5): Triton on CUDA, plain PyTorch elsewhere.
-    fused_add_rms_norm(x, residual, weight, eps=1e-5) -> (y, x + residual): the residual
-        add and the norm in one pass each way.
+    rms_norm(x, weight, eps=1e-5, *, out_dtype, casting_mode, offset): Triton on CUDA
+        (PyTorch's F.rms_norm for small eager calls), plain PyTorch elsewhere; casting
+        modes "none", "gemma", "llama", offset 0 or 1 (Gemma's 1 + weight), weight=None.
+    fused_add_rms_norm(x, residual, weight, eps=1e-5, ...) -> (y, x + residual): the
+        residual add and the norm in one pass each way.
     RMSNorm, FusedAddRMSNorm: the nn.Modules.
+    replace_rms_norms(model): swap torch.nn.RMSNorm and Hugging Face RMSNorms in place.
     RMSNormFunction, FusedAddRMSNormFunction: the autograd.Functions over the kernels
         (without Triton, their ``apply`` raises an ImportError saying what to install).
     RMSNormTorchFunction: RMSNorm in plain PyTorch with a hand-derived backward.
