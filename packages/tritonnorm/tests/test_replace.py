@@ -339,3 +339,84 @@ def test_scale_free_norm_is_swapped_and_matches_torch():
     assert type(model[1]) is RMSNorm and model[1].weight is None
     assert list(model.state_dict()) == keys
     assert rel_err(model(x), y_ref) < TOL[torch.float32]
+
+
+class _HFLlamaRMSNorm(nn.Module):  # Hugging Face's formulas, not declared: found by the probe
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(input_dtype)
+
+
+class _HFOlmo2RMSNorm(_HFLlamaRMSNorm):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(input_dtype)
+
+
+class _HFGemmaRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class _BiasFreeLayerNorm(nn.Module):  # the structure of a norm, but it subtracts the mean
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
+
+
+class _WrongEpsRMSNorm(_HFLlamaRMSNorm):  # its forward ignores its eps attribute
+    def forward(self, hidden_states):
+        h = hidden_states.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 0.1)).to(
+            hidden_states.dtype)
+
+
+@pytest.mark.parametrize("cls, mode, offset", [
+    (_HFLlamaRMSNorm, "llama", 0.0), (_HFOlmo2RMSNorm, "none", 0.0),
+    (_HFGemmaRMSNorm, "gemma", 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hugging_face_formulas_are_found_by_probing(cls, mode, offset, dtype):
+    torch.manual_seed(0)
+    norm = cls(H)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(H))
+    norm = norm.to(dtype)
+    model = nn.Sequential(nn.Linear(H, H, dtype=dtype), norm)
+    x = torch.randn(3, 5, H, dtype=dtype)
+    y_ref = model(x)
+    weight = norm.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replace_rms_norms(model) == 1
+    new = model[1]
+    assert type(new) is RMSNorm and new.weight is weight
+    assert (new.casting_mode, new.offset, new.eps) == (mode, offset, 1e-6)
+    y = model(x)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)  # bit for bit on the CPU
+
+
+def test_structures_that_compute_something_else_are_left_alone():
+    model = nn.Sequential(_BiasFreeLayerNorm(H), _WrongEpsRMSNorm(H))
+    with pytest.warns(UserWarning, match="_WrongEpsRMSNorm") as record:
+        assert replace_rms_norms(model) == 0
+    assert not any("_BiasFreeLayerNorm" in str(w.message) for w in record)
+    assert type(model[0]) is _BiasFreeLayerNorm and type(model[1]) is _WrongEpsRMSNorm
