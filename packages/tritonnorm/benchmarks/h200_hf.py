@@ -20,8 +20,9 @@ of about 1B parameters, in one run of under 6 minutes.
     are compared in pairs, in alternating windows of steps (paired windows); ``x`` is the
     median over rounds of (the pair's first time / the other's).
 
-Writes ``OUT_DIR/h200_hf.jsonl`` (one line per measurement) and ``OUT_DIR/h200_hf.md``
-(the tables), atomically.
+A wall-clock budget (``--budget-s``, 340 s) leaves out, and records as left out, any part
+not started in time, keeping the time part (b) needs. Writes ``OUT_DIR/h200_hf.jsonl`` (one
+line per measurement) and ``OUT_DIR/h200_hf.md`` (the tables), atomically.
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def _sync():
     torch.cuda.synchronize()
 
 
+class Budget:
+    """Wall-clock seconds the run may take: a part not started before ``seconds`` have
+    passed is left out (and recorded as such), so the whole run stays under its limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
 # ------------------------------------------------------------------ (a) crossover
 
 
@@ -87,7 +99,7 @@ def _device_us(x, w, mode, offset) -> float:
     return stats.median_ms * 1e3
 
 
-def crossover(quick: bool, log) -> list[dict]:
+def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
     hidden = HIDDEN[:2] if quick else HIDDEN
     rows_set = ROWS[:1] if quick else ROWS
     chain, rounds = (10, 2) if quick else (30, 3)
@@ -95,6 +107,12 @@ def crossover(quick: bool, log) -> list[dict]:
     for dname, dtype in DTYPES.items():
         for h in hidden:
             for rows in rows_set:
+                if budget.left() < reserve:  # keep the time part (b) needs
+                    rec = {"part": "crossover", "dtype": dname, "hidden": h, "rows": rows,
+                           "skipped": "out of time"}
+                    log(rec)
+                    out.append(rec)
+                    continue
                 x = torch.randn(rows, h, device="cuda", dtype=dtype)
                 for vname, (mode, offset, has_w) in VARIANTS.items():
                     w = (torch.randn(h, device="cuda", dtype=dtype).requires_grad_()
@@ -184,14 +202,19 @@ def _paired(a, b, window: int, rounds: int, warmup: int) -> dict:
             "ratio_a_over_b": statistics.median(ratios), "rounds": rounds, "window": window}
 
 
-def llama_steps(quick: bool, compile_too: bool, log) -> list[dict]:
+def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dict]:
     batch, seq = (2, 128) if quick else (8, 1024)
     ids = torch.randint(0, 32000, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
     window, rounds, warmup = (2, 2, 1) if quick else (5, 6, 3)
     out = []
 
-    def pair(name_a, make_a, name_b, make_b, compiled=False):
+    def pair(name_a, make_a, name_b, make_b, compiled=False, needs=30.0):
+        if budget.left() < needs:
+            rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": "out of time"}
+            log(rec)
+            out.append(rec)
+            return
         model_a, model_b = make_a(), make_b()
         if isinstance(model_a, str):
             rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": model_a}
@@ -223,7 +246,8 @@ def llama_steps(quick: bool, compile_too: bool, log) -> list[dict]:
     pair("unswapped", unswapped, "tritonnorm", swapped)
     pair("liger", liger, "tritonnorm", swapped)
     if compile_too:
-        pair("compiled unswapped", unswapped, "compiled tritonnorm", swapped, compiled=True)
+        pair("compiled unswapped", unswapped, "compiled tritonnorm", swapped, compiled=True,
+             needs=150.0)
     return out
 
 
@@ -238,7 +262,10 @@ def markdown(records: list[dict], env: dict) -> str:
              "| torch device | best | auto picks |",
              "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
     for r in records:
-        if r["part"] == "crossover":
+        if r["part"] == "crossover" and "skipped" in r:
+            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | - | skipped: "
+                         f"{r['skipped']} | | | | | |")
+        elif r["part"] == "crossover":
             lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | {r['variant']} | "
                          f"{r['kernels_eager_us']:.1f} | {r['torch_eager_us']:.1f} | "
                          f"{r['kernels_device_us']:.1f} | {r['torch_device_us']:.1f} | "
@@ -261,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small cells: a smoke test")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled pair")
     parser.add_argument("--skip", choices=("crossover", "llama"), action="append", default=[])
+    parser.add_argument("--budget-s", type=float, default=340.0,
+                        help="wall-clock limit: parts not started by then are left out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("h200_hf.py needs a CUDA GPU", file=sys.stderr)
@@ -274,14 +303,17 @@ def main(argv: list[str] | None = None) -> int:
            "tritonnorm": tritonnorm.__version__, "torch_below": dict(OPTIONS.torch_below)}
     records: list[dict] = []
     t0 = time.perf_counter()
+    budget = Budget(args.budget_s)
+    # What part (b) needs: two eager pairs, and the compiled pair's two compilations.
+    reserve = 0.0 if "llama" in args.skip else 60.0 + (0.0 if args.no_compile else 150.0)
 
     def log(rec):
         print(json.dumps(rec), flush=True)
 
     if "crossover" not in args.skip:
-        records += crossover(args.quick, log)
+        records += crossover(args.quick, log, budget, reserve)
     if "llama" not in args.skip:
-        records += llama_steps(args.quick, not args.no_compile, log)
+        records += llama_steps(args.quick, not args.no_compile, log, budget)
     env["seconds"] = round(time.perf_counter() - t0, 1)
     jsonl = "".join(json.dumps({**r, "env": env}) + "\n" for r in records)
     atomic_write_text(args.out / "h200_hf.jsonl", jsonl)
