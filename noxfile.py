@@ -17,7 +17,7 @@ import nox
 nox.needs_version = ">=2024.10"
 nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "build", "triton-interpret", "tests", "tests-gloo"]
+nox.options.sessions = ["lint", "build", "triton-interpret", "tests", "tests-hf", "tests-gloo"]
 
 # Let the sessions' interpreters cache bytecode even where the environment says not to:
 # without .pyc files every test process (and every rank it spawns) compiles torch's
@@ -59,6 +59,20 @@ def triton_interpret(session: nox.Session) -> None:
     """The Triton kernels, run on the CPU by Triton's interpreter."""
     _sync(session)
     _pytest(session, "-m", "triton", "-p", "no:cacheprovider", TRITON_INTERPRET="1")
+
+
+#: The transformers releases tritonnorm's Hugging Face drop-in is tested with (4.57 and 5.24).
+TRANSFORMERS = "transformers>=4.57,<5.25"
+
+
+@nox.session(name="tests-hf")
+def tests_hf(session: nox.Session) -> None:
+    """tritonnorm's drop-in on tiny Hugging Face models (built from their configs, nothing
+    downloaded), the swapped norms on the Triton kernels under the interpreter."""
+    _sync(session)
+    session.install(TRANSFORMERS)
+    _pytest(session, "-m", "hf", "-p", "no:cacheprovider", "packages/tritonnorm/tests/hf",
+            TRITON_INTERPRET="1")
 
 
 @nox.session(name="tests-gloo")

@@ -80,7 +80,7 @@ def test_invalid_config_raises_one_clear_line(overrides, fragment):
 def test_eps_range_is_the_norms(eps):
     """The config accepts exactly the eps that the norms' own check (the one their kernels
     and reference run) accepts, and says so in the same words."""
-    from tritonnorm.ops.validation import check_eps
+    from tritonnorm.limits import check_eps
 
     try:
         check_eps(eps)

@@ -35,12 +35,11 @@ from tritonnorm import (
     RMSNorm,
     RMSNormFunction,
     fused_add_rms_norm,
+    ops,
     rms_norm,
     rms_norm_reference,
 )
-from tritonnorm.ops import kernels
-from tritonnorm.ops import launch_config as lc
-from tritonnorm.ops.options import OPTIONS
+from tritonnorm.ops import OPTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROWS, HS = 50_000, (1024, 2048, 4096, 8192)
@@ -159,13 +158,13 @@ def check():
         x = torch.randn(3000 if H < 10000 else 300, H, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(H, device=DEV)
         dy = torch.randn_like(x)
-        y, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
-        d1 = kernels.rms_norm_bwd(dy, x, w, rstd)[1]
-        d2 = kernels.rms_norm_bwd(dy, x, w, rstd)[1]
+        y, rstd = ops.rms_norm_fwd(x, w, 1e-5)
+        d1 = ops.rms_norm_bwd(dy, x, w, rstd)[1]
+        d2 = ops.rms_norm_bwd(dy, x, w, rstd)[1]
         if not torch.equal(d1, d2):
             fails += 1
             log("FAIL determinism", H)
-        dx_only = kernels.rms_norm_bwd(dy, x, w, rstd, needs_dw=False)
+        dx_only = ops.rms_norm_bwd(dy, x, w, rstd, needs_dw=False)
         if dx_only[1] is not None:
             fails += 1
     # torch.compile fullgraph over a small model using RMSNorm.
@@ -250,7 +249,7 @@ class _FwdKernelOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w):
-        return kernels.rms_norm_fwd(x, w, 1e-5)[0]
+        return ops.rms_norm_fwd(x, w, 1e-5)[0]
 
     @staticmethod
     def backward(ctx, g):
@@ -268,7 +267,7 @@ class _BwdKernelOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w, rstd = ctx.saved_tensors
-        dx, dw = kernels.rms_norm_bwd(g, x, w, rstd)
+        dx, dw = ops.rms_norm_bwd(g, x, w, rstd)
         return dx, dw, None
 
 
@@ -277,7 +276,7 @@ def overhead():
     import gc
 
     x, w, dy = make(1, 1024, torch.bfloat16)
-    rstd = kernels.rms_norm_fwd(x, w, 1e-5)[1]
+    rstd = ops.rms_norm_fwd(x, w, 1e-5)[1]
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     lines = []
     can_direct = OPTIONS.direct_launch  # False under the interpreter or an old Triton
@@ -300,8 +299,8 @@ def overhead():
             lambda: _FwdKernelOnly.apply(xg, wg).backward(dy), (xg, wg))
         rec(f"[{rnd}] Function: bwd kernels only",
             lambda: _BwdKernelOnly.apply(xg, wg, rstd).backward(dy), (xg, wg))
-        rec(f"[{rnd}] kernels.rms_norm_fwd", lambda: kernels.rms_norm_fwd(x, w, 1e-5))
-        rec(f"[{rnd}] kernels.rms_norm_bwd", lambda: kernels.rms_norm_bwd(dy, x, w, rstd))
+        rec(f"[{rnd}] ops.rms_norm_fwd", lambda: ops.rms_norm_fwd(x, w, 1e-5))
+        rec(f"[{rnd}] ops.rms_norm_bwd", lambda: ops.rms_norm_bwd(dy, x, w, rstd))
     with torch.no_grad():
         rec("F.rms_norm fwd (no_grad)", lambda: F.rms_norm(x, (1024,), w, 1e-5))
         rec("rms_norm fwd (no_grad)", lambda: rms_norm(x, w))
@@ -332,8 +331,8 @@ def overhead():
         outs = []
         for direct in (False, True, True):
             with OPTIONS.override(direct_launch=direct and can_direct):
-                y, r = kernels.rms_norm_fwd(x, w, 1e-5)
-                outs.append((y, *kernels.rms_norm_bwd(dy, x, w, r)))
+                y, r = ops.rms_norm_fwd(x, w, 1e-5)
+                outs.append((y, *ops.rms_norm_bwd(dy, x, w, r)))
         for o in outs[1:]:
             if not all(torch.equal(a, b) for a, b in zip(outs[0], o)):
                 fails += 1
@@ -382,9 +381,9 @@ def tune(bw):
     for dt, rows, H in cells:
         x, w, dy = make(rows, H, dt)
         es = x.element_size()
-        _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
+        _, rstd = ops.rms_norm_fwd(x, w, 1e-5)
         name = f"{str(dt)[6:]} {rows}x{H}"
-        bh, cfg0 = lc.bwd_config(H, es)
+        bh, cfg0 = ops.bwd_config(H, es)
         keys = ("block_r", "num_warps", "programs_per_sm", "row_sum", "stages")
         default = {k: getattr(cfg0, k) for k in keys}
         cfgs = [default]
@@ -397,37 +396,37 @@ def tune(bw):
                 cfgs.append(dict(zip(keys, (br, nw, per_sm, rs, st))))
         cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
         res = _sweep(f"bwd {name}", 3 * x.numel() * es,
-                     lambda cfg, x=x, w=w, dy=dy, r=rstd: kernels.rms_norm_bwd(dy, x, w, r,
+                     lambda cfg, x=x, w=w, dy=dy, r=rstd: ops.rms_norm_bwd(dy, x, w, r,
                                                                               config=cfg),
                      cfgs, bw)
         best = _better(res, default)
         if best is not None:
-            value = lc.BwdConfig(**best)
-            lc.BWD_TUNED[(es, bh)] = value
-            lc.clear_plan_caches()
+            value = ops.BwdConfig(**best)
+            ops.BWD_TUNED[(es, bh)] = value
+            ops.clear_plan_caches()
             log(f"APPLY BWD_TUNED[({es}, {bh})] = {value}")
 
 
 def tune_large(bw):
     """Looped kernels at H = 65,536 and 131,072 (4,096 rows, bfloat16); winners applied."""
     data = [(H, *make(LARGE_ROWS, H, torch.bfloat16)) for H in (65536, 131072)]
-    fwd_cfgs = [(OPTIONS.loop_chunk, lc.LOOP.fwd_warps, lc.LOOP.fwd_programs_per_sm),
+    fwd_cfgs = [(OPTIONS.loop_chunk, ops.LOOP.fwd_warps, ops.LOOP.fwd_programs_per_sm),
                 (8192, 16, 1), (16384, 16, 1), (16384, 32, 1), (32768, 32, 1), (16384, 16, 2),
                 (8192, 8, 1), (32768, 16, 1)]
-    bwd_cfgs = [(OPTIONS.loop_chunk_bwd, lc.LOOP.bwd_warps, lc.LOOP.bwd_programs_per_sm),
+    bwd_cfgs = [(OPTIONS.loop_chunk_bwd, ops.LOOP.bwd_warps, ops.LOOP.bwd_programs_per_sm),
                 (4096, 8, 4), (8192, 8, 2), (8192, 16, 2), (4096, 4, 8), (2048, 4, 8),
                 (8192, 8, 4)]
     totals = {}
     for H, x, w, dy in data:
-        _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
+        _, rstd = ops.rms_norm_fwd(x, w, 1e-5)
         for kind, grid, nbytes in (("fwd", fwd_cfgs, 4 * x.numel()),
                                    ("bwd", bwd_cfgs, 6 * x.numel())):
             cfgs = [{"looped": True, "chunk": c, "num_warps": nw, "programs_per_sm": p}
                     for c, nw, p in grid]
             if kind == "fwd":
-                fn = lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
+                fn = lambda cfg, x=x, w=w: ops.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
             else:
-                fn = lambda cfg, x=x, w=w, dy=dy, r=rstd: kernels.rms_norm_bwd(  # noqa: E731
+                fn = lambda cfg, x=x, w=w, dy=dy, r=rstd: ops.rms_norm_bwd(  # noqa: E731
                     dy, x, w, r, config=cfg)
             for _p, ms, cfg in _sweep(f"{kind} bf16 4096x{H}", nbytes, fn, cfgs, bw):
                 key = (kind, cfg["chunk"], cfg["num_warps"], cfg["programs_per_sm"])
@@ -444,30 +443,30 @@ def tune_large(bw):
             # The sweep ran bfloat16, where the looped forward's chunk is loop_chunk.
             if kind == "fwd":
                 OPTIONS.loop_chunk, warps, per_sm = best
-                lc.LOOP = dataclasses.replace(lc.LOOP, fwd_warps=warps,
+                ops.LOOP = dataclasses.replace(ops.LOOP, fwd_warps=warps,
                                               fwd_programs_per_sm=per_sm)
             else:
                 OPTIONS.loop_chunk_bwd, warps, per_sm = best
-                lc.LOOP = dataclasses.replace(lc.LOOP, bwd_warps=warps,
+                ops.LOOP = dataclasses.replace(ops.LOOP, bwd_warps=warps,
                                               bwd_programs_per_sm=per_sm)
-            lc.clear_plan_caches()
+            ops.clear_plan_caches()
             log(f"APPLY looped {kind} (chunk, warps, per SM) = {best}")
     # H = 32,768: fused (one block per row) or looped forward?
     x, w, _ = make(LARGE_ROWS, 32768, torch.bfloat16)
     fused = {"looped": False, "block_r": 1, "num_warps": 16, "programs_per_sm": 0}
     looped = {"looped": True}
     res = _sweep("fwd bf16 4096x32768", 4 * x.numel(),
-                 lambda cfg: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg),
+                 lambda cfg: ops.rms_norm_fwd(x, w, 1e-5, config=cfg),
                  [fused, looped, dict(fused, num_warps=32)], bw)
     if res and res[0][2] is looped:
         OPTIONS.max_fused_block_fwd = 16384
-        lc.clear_plan_caches()
+        ops.clear_plan_caches()
         log("APPLY OPTIONS.max_fused_block_fwd = 16384")
     elif res and res[0][2]["num_warps"] == 32 and res[0][1] * 1.02 < min(
             r[1] for r in res if r[2] is fused):
-        lc.FWD_TUNED[(2, 32768)] = lc.FwdConfig(1, 32)
-        lc.clear_plan_caches()
-        log(f"APPLY FWD_TUNED[(2, 32768)] = {lc.FWD_TUNED[(2, 32768)]}")
+        ops.FWD_TUNED[(2, 32768)] = ops.FwdConfig(1, 32)
+        ops.clear_plan_caches()
+        log(f"APPLY FWD_TUNED[(2, 32768)] = {ops.FWD_TUNED[(2, 32768)]}")
 
 
 def tune_fwd(bw):
@@ -477,7 +476,7 @@ def tune_fwd(bw):
     for dt, H in cells:
         x, w, _ = make(ROWS, H, dt)
         es = x.element_size()
-        bh, cfg0 = lc.fwd_config(H, es)
+        bh, cfg0 = ops.fwd_config(H, es)
         keys = ("block_r", "num_warps", "chunk")
         default = {k: getattr(cfg0, k) for k in keys}
         cfgs = [default]
@@ -488,13 +487,13 @@ def tune_fwd(bw):
                 cfgs.append(dict(zip(keys, (br, nw, ch))))
         cfgs = [c for i, c in enumerate(cfgs) if c not in cfgs[:i]]
         res = _sweep(f"fwd {str(dt)[6:]} {ROWS}x{H}", 2 * x.numel() * es,
-                     lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg), cfgs, bw)
+                     lambda cfg, x=x, w=w: ops.rms_norm_fwd(x, w, 1e-5, config=cfg), cfgs, bw)
         best = _better(res, default)
         if best is not None:
             # ``even`` was not swept: the timed launches used the table's.
-            lc.FWD_TUNED[(es, bh)] = dataclasses.replace(cfg0, **best)
-            lc.clear_plan_caches()
-            log(f"APPLY FWD_TUNED[({es}, {bh})] = {lc.FWD_TUNED[(es, bh)]}")
+            ops.FWD_TUNED[(es, bh)] = dataclasses.replace(cfg0, **best)
+            ops.clear_plan_caches()
+            log(f"APPLY FWD_TUNED[({es}, {bh})] = {ops.FWD_TUNED[(es, bh)]}")
 
 
 def tune_coop(bw):
@@ -508,22 +507,22 @@ def tune_coop(bw):
     for dt, H in shapes:
         x, w, dy = make(LARGE_ROWS, H, dt)
         es = x.element_size()
-        _, rstd = kernels.rms_norm_fwd(x, w, 1e-5)
+        _, rstd = ops.rms_norm_fwd(x, w, 1e-5)
         for kind, nbytes in (("fwd", 2 * x.numel() * es), ("bwd", 3 * x.numel() * es)):
             cfgs = [{"looped": True, "coop": False}] + [
                 {"looped": True, "coop": True, "coop_block": b // es, "coop_warps": nw}
                 for b, nw in grid[kind]]
             if kind == "fwd":
-                fn = lambda cfg, x=x, w=w: kernels.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
+                fn = lambda cfg, x=x, w=w: ops.rms_norm_fwd(x, w, 1e-5, config=cfg)  # noqa: E731
             else:
-                fn = lambda cfg, x=x, w=w, dy=dy, r=rstd: kernels.rms_norm_bwd(  # noqa: E731
+                fn = lambda cfg, x=x, w=w, dy=dy, r=rstd: ops.rms_norm_bwd(  # noqa: E731
                     dy, x, w, r, config=cfg)
             for _p, ms, cfg in _sweep(f"coop {kind} {str(dt)[6:]} {LARGE_ROWS}x{H}", nbytes, fn,
                                       cfgs, bw, top=5):
                 key = (kind, es, cfg.get("coop_block", 0) * es, cfg.get("coop_warps", 0))
                 totals.setdefault(key, []).append(ms / nbytes)
     for kind in ("fwd", "bwd"):
-        table = lc.COOP_FWD if kind == "fwd" else lc.COOP_BWD
+        table = ops.COOP_FWD if kind == "fwd" else ops.COOP_BWD
         for es in sorted({k[1] for k in totals if k[0] == kind}):
             # Least summed time per byte over that element size's shapes (configs that
             # ran on all of them; key[2] == 0 is the two-pass baseline).
@@ -536,7 +535,7 @@ def tune_coop(bw):
             two_pass = sum(totals.get((kind, es, 0, 0), [float("nan")]))
             log(f"COOP {kind} {es}B: best (bytes, warps) {best}; two-pass / best = "
                 f"{two_pass / timed[best]:.2f}")
-            table[es] = lc.CoopConfig(*best)
+            table[es] = ops.CoopConfig(*best)
             log(f"APPLY COOP_{kind.upper()}[{es}] = {table[es]}")
 
 
@@ -596,9 +595,9 @@ def table(bw, baselines, large):
 
 def _plan(H, es, kind):
     """The launch plan the current tables and options give rows of H (of es bytes)."""
-    if (lc.fwd_is_looped if kind == "fwd" else lc.bwd_is_looped)(H):
+    if (ops.fwd_is_looped if kind == "fwd" else ops.bwd_is_looped)(H):
         return "looped"
-    block_h, cfg = (lc.fwd_config if kind == "fwd" else lc.bwd_config)(H, es)
+    block_h, cfg = (ops.fwd_config if kind == "fwd" else ops.bwd_config)(H, es)
     return f"BLOCK_H={block_h} {cfg}"
 
 
@@ -699,9 +698,9 @@ def fused_add_kernels_line(name, x, r, w, dy, ds, fwd_bytes, bwd_bytes, bw):
     """One row: the fused add's forward and backward kernels, each replayed from a CUDA
     graph, as µs and % of the copy bandwidth for their minimum bytes."""
     w = w.detach()
-    _, s, rstd = kernels.fused_add_rms_norm_fwd(x, r, w, 1e-5)
-    f = graph_bench(lambda: kernels.fused_add_rms_norm_fwd(x, r, w, 1e-5))
-    b = graph_bench(lambda: kernels.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype))
+    _, s, rstd = ops.fused_add_rms_norm_fwd(x, r, w, 1e-5)
+    f = graph_bench(lambda: ops.fused_add_rms_norm_fwd(x, r, w, 1e-5))
+    b = graph_bench(lambda: ops.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype))
     pf, pb = (n / t / 1e6 / bw * 100 for n, t in ((fwd_bytes, f), (bwd_bytes, b)))
     return (f"| {name} | {ROWS} | {x.shape[-1]} | {f * 1e3:.1f} | {pf:.0f} | {b * 1e3:.1f} "
             f"| {pb:.0f} |")
@@ -745,7 +744,7 @@ def main():
             f"{es}B H={H} fwd {_plan(H, es, 'fwd')} bwd {_plan(H, es, 'bwd')}"
             for es, H in itertools.product((4, 2), HS + LARGE_HS)))
         log(f"looped: loop_chunk={OPTIONS.loop_chunk} loop_chunk_bwd="
-            f"{OPTIONS.loop_chunk_bwd} {lc.LOOP} "
+            f"{OPTIONS.loop_chunk_bwd} {ops.LOOP} "
             f"max_fused_block_fwd={OPTIONS.max_fused_block_fwd}")
     if a.table:
         DEADLINE[0] = float("inf")

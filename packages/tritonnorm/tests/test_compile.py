@@ -107,7 +107,7 @@ def test_inductor_sees_the_kernels():
     # (no opaque call back into Python), which CUDA graphs need.
     from torch._inductor.utils import run_and_get_code
 
-    from tritonnorm.ops import compiler_ops
+    from tritonnorm import ops as compiler_ops
 
     if not compiler_ops.HAS_TRITON_OP:
         pytest.skip("torch.library.triton_op needs PyTorch 2.6")

@@ -93,7 +93,7 @@ def test_kernels_are_deterministic(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_rows(kernel_device, dtype):
     # Rows longer than one block: the add runs apart, then the long-row kernels.
-    from tritonnorm.ops.options import OPTIONS
+    from tritonnorm.ops import OPTIONS
 
     x, r, w, dy, ds = _inputs((9, 100), dtype, torch.float32, torch.float32, 5, kernel_device)
     with OPTIONS.override(max_fused_block_fwd=16, max_fused_block_bwd=16, loop_chunk=32,

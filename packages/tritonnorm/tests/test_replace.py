@@ -13,8 +13,9 @@ from torch import nn
 
 import tritonnorm
 from lab2_testing.tn_numerics import TOL, dx_scale, rel_err, rms_norm_ref
-from tritonnorm import RMSNorm, patching, replace_rms_norms
-from tritonnorm.patching import MachineEpsRMSNorm, to_tritonnorm
+from tritonnorm import RMSNorm, replace_rms_norms
+from tritonnorm import nn as patching
+from tritonnorm.nn import MachineEpsRMSNorm, to_tritonnorm
 
 pytestmark = pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm: PyTorch 2.4")
 
@@ -211,29 +212,6 @@ def test_training_mode_device_dtype_and_hooks_are_kept():
     assert calls == ["pre", "post", "backward"]
 
 
-def test_refusals_raise_before_changing_anything():
-    model = nn.Sequential(
-        nn.RMSNorm(H),
-        nn.RMSNorm(H, elementwise_affine=False),
-        nn.RMSNorm((4, H)),
-    )
-    before = list(model)
-    with pytest.raises(ValueError) as info:
-        replace_rms_norms(model)
-    msg = str(info.value)
-    assert "1 (RMSNorm): elementwise_affine=False" in msg
-    assert "2 (RMSNorm): normalized_shape=(4, 24)" in msg and "last dimension only" in msg
-    assert "nothing was changed" in msg and "strict=False" in msg
-    assert list(model) == before
-
-
-def test_non_strict_skips_with_one_warning():
-    model = nn.Sequential(nn.RMSNorm(H), nn.RMSNorm(H, elementwise_affine=False))
-    with pytest.warns(UserWarning, match="1 \\(RMSNorm\\): elementwise_affine=False"):
-        assert replace_rms_norms(model, strict=False) == 1
-    assert isinstance(model[0], RMSNorm) and type(model[1]) is nn.RMSNorm
-
-
 class _Declared(nn.Module):
     __tritonnorm_compatible__ = True
 
@@ -247,6 +225,29 @@ def _declared_with(change):
     m = _Declared()
     change(m)
     return m
+
+
+def test_refusals_raise_before_changing_anything():
+    model = nn.Sequential(
+        nn.RMSNorm(H),
+        _declared_with(lambda m: m.register_buffer("scale", torch.ones(1))),
+        nn.RMSNorm((4, H)),
+    )
+    before = list(model)
+    with pytest.raises(ValueError) as info:
+        replace_rms_norms(model)
+    msg = str(info.value)
+    assert "1 (_Declared): it holds more than `weight` (scale)" in msg
+    assert "2 (RMSNorm): normalized_shape=(4, 24)" in msg and "last dimension only" in msg
+    assert "nothing was changed" in msg and "strict=False" in msg
+    assert list(model) == before
+
+
+def test_non_strict_skips_with_one_warning():
+    model = nn.Sequential(nn.RMSNorm(H), nn.RMSNorm((4, H)))
+    with pytest.warns(UserWarning, match="1 \\(RMSNorm\\): normalized_shape=\\(4, 24\\)"):
+        assert replace_rms_norms(model, strict=False) == 1
+    assert isinstance(model[0], RMSNorm) and type(model[1]) is nn.RMSNorm
 
 
 @pytest.mark.parametrize("module, why", [
@@ -288,8 +289,8 @@ def test_root_norm_is_refused_and_to_tritonnorm_converts_one():
         replace_rms_norms(norm)
     new = to_tritonnorm(norm)
     assert type(new) is RMSNorm and new.weight is norm.weight and new.eps == 1e-6
-    with pytest.raises(ValueError, match="elementwise_affine=False"):
-        to_tritonnorm(nn.RMSNorm(H, elementwise_affine=False))
+    scale_free = to_tritonnorm(nn.RMSNorm(H, elementwise_affine=False))
+    assert type(scale_free) is MachineEpsRMSNorm and scale_free.weight is None
     with pytest.raises(ValueError, match="not swapped"):
         to_tritonnorm(nn.Linear(H, H))
     with pytest.raises(TypeError):
@@ -325,3 +326,97 @@ def test_swapped_norm_matches_torch_property(hidden, dtype, eps, seed):
     eps_used = model[0]._eps_by_dtype[dtype] if eps is None else eps
     assert rel_err(dx, dx_ref, dx_scale(x, torch_norm.weight, dy, eps_used)) < TOL[dtype]
     assert rel_err(gw["0.weight"], gw_ref["0.weight"]) < TOL[dtype]
+
+
+def test_scale_free_norm_is_swapped_and_matches_torch():
+    # nn.RMSNorm(elementwise_affine=False): no weight, no parameter, no state-dict key.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H, eps=1e-6, elementwise_affine=False))
+    x = torch.randn(5, H)
+    y_ref = model(x)
+    keys = list(model.state_dict())
+    assert replace_rms_norms(model) == 1
+    assert type(model[1]) is RMSNorm and model[1].weight is None
+    assert list(model.state_dict()) == keys
+    assert rel_err(model(x), y_ref) < TOL[torch.float32]
+
+
+class _HFLlamaRMSNorm(nn.Module):  # Hugging Face's formulas, not declared: found by the probe
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(input_dtype)
+
+
+class _HFOlmo2RMSNorm(_HFLlamaRMSNorm):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(input_dtype)
+
+
+class _HFGemmaRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class _BiasFreeLayerNorm(nn.Module):  # the structure of a norm, but it subtracts the mean
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
+
+
+class _WrongEpsRMSNorm(_HFLlamaRMSNorm):  # its forward ignores its eps attribute
+    def forward(self, hidden_states):
+        h = hidden_states.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 0.1)).to(
+            hidden_states.dtype)
+
+
+@pytest.mark.parametrize("cls, mode, offset", [
+    (_HFLlamaRMSNorm, "llama", 0.0), (_HFOlmo2RMSNorm, "none", 0.0),
+    (_HFGemmaRMSNorm, "gemma", 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hugging_face_formulas_are_found_by_probing(cls, mode, offset, dtype):
+    torch.manual_seed(0)
+    norm = cls(H)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(H))
+    norm = norm.to(dtype)
+    model = nn.Sequential(nn.Linear(H, H, dtype=dtype), norm)
+    x = torch.randn(3, 5, H, dtype=dtype)
+    y_ref = model(x)
+    weight = norm.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replace_rms_norms(model) == 1
+    new = model[1]
+    assert type(new) is RMSNorm and new.weight is weight
+    assert (new.casting_mode, new.offset, new.eps) == (mode, offset, 1e-6)
+    y = model(x)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)  # bit for bit on the CPU
+
+
+def test_structures_that_compute_something_else_are_left_alone():
+    model = nn.Sequential(_BiasFreeLayerNorm(H), _WrongEpsRMSNorm(H))
+    with pytest.warns(UserWarning, match="_WrongEpsRMSNorm") as record:
+        assert replace_rms_norms(model) == 0
+    assert not any("_BiasFreeLayerNorm" in str(w.message) for w in record)
+    assert type(model[0]) is _BiasFreeLayerNorm and type(model[1]) is _WrongEpsRMSNorm

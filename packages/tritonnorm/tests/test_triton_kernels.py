@@ -21,31 +21,31 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _kernels():
-    from tritonnorm.ops import kernels
+    from tritonnorm import ops
 
-    return kernels
+    return ops
 
 
 def _launcher():
-    from tritonnorm.ops import launcher
+    from tritonnorm import ops
 
-    return launcher
+    return ops
 
 
 def _workspaces():
-    from tritonnorm.ops import workspaces
+    from tritonnorm import ops
 
-    return workspaces
+    return ops
 
 
 def _launch_config():
-    from tritonnorm.ops import launch_config
+    from tritonnorm import ops
 
-    return launch_config
+    return ops
 
 
 def _options():
-    from tritonnorm.ops.options import OPTIONS
+    from tritonnorm.ops import OPTIONS
 
     return OPTIONS
 
@@ -320,7 +320,7 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
     refused = []
 
     def refusing(kernel, grid, args, consts, num_warps, cooperative=False):
-        if kernel is k._bwd_rows_kernel and cooperative:
+        if kernel is k._k.bwd_rows_kernel and cooperative:
             refused.append(grid)
             raise RuntimeError("too many blocks in cooperative launch")
         return real(kernel, grid, args, consts, num_warps, cooperative)
@@ -371,7 +371,7 @@ def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
 
 def test_cooperative_launch_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from tritonnorm.ops.options import _has_cooperative_launch
+    from tritonnorm.ops import _has_cooperative_launch
 
     assert not _has_cooperative_launch()
 
@@ -530,23 +530,23 @@ def test_all_implementations_agree(rows, h, dtype, eps, scale, seed):
 
 
 def test_compiler_ops_and_compile(kernel_device):
-    from tritonnorm.ops import compiler_ops
+    from tritonnorm import ops as compiler_ops
 
-    if not compiler_ops.AVAILABLE:
+    if not compiler_ops.HAS_LIBRARY_OPS:
         pytest.skip("torch.library.custom_op needs PyTorch 2.4")
     x, w, dy = random_inputs((6, 40), torch.float32, torch.float32, seed=11, device=kernel_device)
-    _check(x, w, dy, fn=lambda a, b, eps: compiler_ops.rms_norm_fwd(a, b, eps)[0])
+    _check(x, w, dy, fn=lambda a, b, eps: compiler_ops.rms_norm_fwd_op(a, b, eps)[0])
     # Tracing a triton_op runs its body on fake tensors, which Triton's interpreter (the
     # CPU) cannot take: the tracing checks need CUDA.
     utils = (None if kernel_device.type == "cuda"
              else ("test_schema", "test_autograd_registration"))
     kw = {} if utils is None else {"test_utils": utils}
-    torch.library.opcheck(compiler_ops.rms_norm_fwd, (x, w, 1e-5), **kw)
-    rstd = compiler_ops.rms_norm_fwd(x, w, 1e-5)[1]
-    torch.library.opcheck(compiler_ops.rms_norm_bwd, (dy, x, w, rstd, True, False), **kw)
+    torch.library.opcheck(compiler_ops.rms_norm_fwd_op, (x, w, 1e-5), **kw)
+    rstd = compiler_ops.rms_norm_fwd_op(x, w, 1e-5)[1]
+    torch.library.opcheck(compiler_ops.rms_norm_bwd_op, (dy, x, w, rstd, True, False), **kw)
     if kernel_device.type == "cuda":
         # fullgraph tracing through the operators and their registered autograd.
-        fn = torch.compile(lambda a, b: compiler_ops.rms_norm_fwd(a, b, 1e-5)[0],
+        fn = torch.compile(lambda a, b: compiler_ops.rms_norm_fwd_op(a, b, 1e-5)[0],
                            fullgraph=True, backend="aot_eager")
         _check(x, w, dy, fn=lambda a, b, eps: fn(a, b))
 

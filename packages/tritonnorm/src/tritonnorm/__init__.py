@@ -1,15 +1,23 @@
 """tritonnorm: fused RMSNorm with Triton forward and backward kernels.
 
 Public API:
-    rms_norm(x, weight, eps=1e-5): Triton on CUDA, plain PyTorch elsewhere.
-    fused_add_rms_norm(x, residual, weight, eps=1e-5) -> (y, x + residual): the residual
-        add and the norm in one pass each way.
+    rms_norm(x, weight, eps=1e-5, *, out_dtype, casting_mode, offset): Triton on CUDA
+        (PyTorch's F.rms_norm for small eager calls), plain PyTorch elsewhere; casting
+        modes "none", "gemma", "llama", offset 0 or 1 (Gemma's 1 + weight), weight=None.
+    fused_add_rms_norm(x, residual, weight, eps=1e-5, ...) -> (y, x + residual): the
+        residual add and the norm in one pass each way.
     RMSNorm, FusedAddRMSNorm: the nn.Modules.
+    replace_rms_norms(model): swap torch.nn.RMSNorm and Hugging Face RMSNorms in place.
     RMSNormFunction, FusedAddRMSNormFunction: the autograd.Functions over the kernels
         (without Triton, their ``apply`` raises an ImportError saying what to install).
     RMSNormTorchFunction: RMSNorm in plain PyTorch with a hand-derived backward.
     rms_norm_backward_x, rms_norm_backward_weight: closed-form gradients.
-    OPTIONS (in tritonnorm.ops.options): the launch path's switches.
+    OPTIONS (in tritonnorm.ops): the launch path's switches.
+
+Modules: ``kernels`` (the Triton kernels), ``ops`` (their host side: launching, the
+autograd.Functions, the torch.compile operators, the entry points), ``reference`` (plain
+PyTorch and the argument rules), ``nn`` (the modules and ``replace_rms_norms``),
+``limits`` (eps's range without torch).
 """
 
 from __future__ import annotations
@@ -23,31 +31,28 @@ __version__ = "0.5.2"
 # torch nor triton, so that `lab2bench --help` can list tritonnorm's suites (entry points
 # in tritonnorm.bench) at once.
 _EXPORTS = {
-    "HAS_TRITON": "functional", "FusedAddRMSNormFunction": "functional",
-    "RMSNormFunction": "functional", "fused_add_rms_norm": "functional",
-    "rms_norm": "functional",
-    "FusedAddRMSNorm": "module", "RMSNorm": "module",
-    "RMSNormTorchFunction": "ops.reference", "rms_norm_backward_weight": "ops.reference",
-    "rms_norm_backward_x": "ops.reference", "rms_norm_reference": "ops.reference",
-    "replace_rms_norms": "patching",
+    "HAS_TRITON": "ops", "FusedAddRMSNormFunction": "ops", "RMSNormFunction": "ops",
+    "fused_add_rms_norm": "ops", "rms_norm": "ops",
+    "FusedAddRMSNorm": "nn", "RMSNorm": "nn", "replace_rms_norms": "nn",
+    "RMSNormTorchFunction": "reference", "rms_norm_backward_weight": "reference",
+    "rms_norm_backward_x": "reference", "rms_norm_reference": "reference",
 }
 
 if TYPE_CHECKING:
-    from tritonnorm.functional import (
+    from tritonnorm.nn import FusedAddRMSNorm, RMSNorm, replace_rms_norms
+    from tritonnorm.ops import (
         HAS_TRITON,
         FusedAddRMSNormFunction,
         RMSNormFunction,
         fused_add_rms_norm,
         rms_norm,
     )
-    from tritonnorm.module import FusedAddRMSNorm, RMSNorm
-    from tritonnorm.ops.reference import (
+    from tritonnorm.reference import (
         RMSNormTorchFunction,
         rms_norm_backward_weight,
         rms_norm_backward_x,
         rms_norm_reference,
     )
-    from tritonnorm.patching import replace_rms_norms
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ imports its exports on first use).
 from __future__ import annotations
 
 import math
+import numbers
 
 #: The range of ``eps``, as the end of an error's sentence ("eps must be ...").
 EPS_RANGE = "a finite number >= 0"
@@ -20,7 +21,10 @@ def eps_in_range(eps: float) -> bool:
 
 
 def check_eps(eps: float) -> float:
-    """Return ``eps`` as a float, raising ValueError unless it is finite and >= 0."""
+    """Return ``eps`` as a float: TypeError unless it is a real number (a string, a bool or
+    a tensor is not), ValueError unless it is finite and >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__} {eps!r}")
     eps = float(eps)
     if not eps_in_range(eps):
         raise ValueError(f"eps must be {EPS_RANGE}, got {eps}")

@@ -1,0 +1,327 @@
+"""tritonnorm on one H200: the eager crossover to ``F.rms_norm``, and a Hugging Face Llama
+of about 1B parameters, in one run of under 6 minutes.
+
+    python packages/tritonnorm/benchmarks/h200_hf.py --out OUT_DIR [--quick] [--no-compile]
+
+(a) **Crossover.** For H in {512 ... 8192} x rows in {8*512, 32*512, 50,000} x {bf16,
+    float32} x variant (plain, gemma = offset 1, no weight), and for each path
+    (``OPTIONS.eager_dispatch`` forced to "kernels", then "torch"): the eager time of one
+    forward+backward call (a chain of calls issued back to back, one synchronisation at the
+    end: host time where the call is host-bound, device time where not), and the device
+    time of one call graph-timed (``lab2bench.timing.measure(cuda_graph=True)``). The
+    "auto" column says which path the current ``OPTIONS.torch_below`` picks; ``best`` says
+    which eager time is lower. Set ``torch_below`` to the element count where ``best``
+    turns from torch to kernels, per dtype.
+
+(b) **Llama ~1B** (hidden 2048, 16 layers, 16 heads, intermediate 5632, vocab 32,000;
+    bf16 autocast, batch 8 x 1024, fused AdamW): the eager training step unswapped, with
+    ``tritonnorm.replace_rms_norms``, and with Liger-Kernel's RMSNorm patch alone (where
+    ``liger_kernel`` imports); then compiled unswapped against compiled swapped. Variants
+    are compared in pairs, in alternating windows of steps (paired windows); ``x`` is the
+    median over rounds of (the pair's first time / the other's).
+
+A wall-clock budget (``--budget-s``, 340 s) leaves out, and records as left out, any part
+not started in time, keeping the time part (b) needs. Writes ``OUT_DIR/h200_hf.jsonl`` (one
+line per measurement) and ``OUT_DIR/h200_hf.md`` (the tables), atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import tritonnorm
+from lab2bench.records import atomic_write_text
+from lab2bench.timing import measure
+from tritonnorm.ops import OPTIONS, _prefer_torch
+
+HIDDEN = (512, 1024, 2048, 4096, 8192)
+ROWS = (8 * 512, 32 * 512, 50_000)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+VARIANTS = {  # name -> (casting_mode, offset, has weight)
+    "plain": ("none", 0.0, True),
+    "gemma": ("gemma", 1.0, True),
+    "no-weight": ("none", 0.0, False),
+}
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                max_position_embeddings=2048, use_cache=False)
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+class Budget:
+    """Wall-clock seconds the run may take: a part not started before ``seconds`` have
+    passed is left out (and recorded as such), so the whole run stays under its limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+# ------------------------------------------------------------------ (a) crossover
+
+
+def _eager_us(x, w, mode, offset, chain: int, rounds: int) -> float:
+    """Median over rounds of (wall time of ``chain`` fwd+bwd calls) / chain, in µs."""
+    grad = torch.ones_like(x)
+    times = []
+    for _ in range(rounds + 1):  # the first round warms up
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(chain):  # a fresh leaf each call, its gradient freed by the next
+            xi = x.detach().requires_grad_()
+            y = tritonnorm.rms_norm(xi, w, 1e-6, casting_mode=mode, offset=offset)
+            y.backward(grad)
+        _sync()
+        times.append((time.perf_counter() - t0) / chain * 1e6)
+    return statistics.median(times[1:])
+
+
+def _device_us(x, w, mode, offset) -> float:
+    xg = x.detach().requires_grad_()
+
+    def fn():
+        return tritonnorm.rms_norm(xg, w, 1e-6, casting_mode=mode, offset=offset)
+
+    stats = measure(fn, warmup=2, repeats=10, backward=True, cuda_graph=True)
+    return stats.median_ms * 1e3
+
+
+def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
+    hidden = HIDDEN[:2] if quick else HIDDEN
+    rows_set = ROWS[:1] if quick else ROWS
+    chain, rounds = (10, 2) if quick else (30, 3)
+    out = []
+    for dname, dtype in DTYPES.items():
+        for h in hidden:
+            for rows in rows_set:
+                if budget.left() < reserve:  # keep the time part (b) needs
+                    rec = {"part": "crossover", "dtype": dname, "hidden": h, "rows": rows,
+                           "skipped": "out of time"}
+                    log(rec)
+                    out.append(rec)
+                    continue
+                x = torch.randn(rows, h, device="cuda", dtype=dtype)
+                for vname, (mode, offset, has_w) in VARIANTS.items():
+                    w = (torch.randn(h, device="cuda", dtype=dtype).requires_grad_()
+                         if has_w else None)
+                    rec = {"part": "crossover", "dtype": dname, "hidden": h, "rows": rows,
+                           "elements": rows * h, "variant": vname}
+                    for path in ("kernels", "torch"):
+                        with OPTIONS.override(eager_dispatch=path):
+                            rec[f"{path}_eager_us"] = _eager_us(x, w, mode, offset, chain,
+                                                                rounds)
+                            rec[f"{path}_device_us"] = _device_us(x, w, mode, offset)
+                    with OPTIONS.override(eager_dispatch="auto"):
+                        rec["auto_picks"] = "torch" if _prefer_torch(x) else "kernels"
+                    rec["best"] = ("kernels" if rec["kernels_eager_us"] <= rec["torch_eager_us"]
+                                   else "torch")
+                    log(rec)
+                    out.append(rec)
+                del x
+                torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------ (b) Llama ~1B
+
+
+def _llama(quick: bool):
+    import transformers
+
+    cfg = dict(LLAMA_1B)
+    if quick:
+        cfg.update(num_hidden_layers=2, hidden_size=512, intermediate_size=1408,
+                   num_attention_heads=8, num_key_value_heads=8)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**cfg)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def _liger_patch(model) -> str | None:
+    """Liger-Kernel's RMSNorm patch alone on ``model``; None, or why it could not run."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as err:
+        return f"liger_kernel does not import ({err})"
+    try:
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, rms_norm=True,
+                                    swiglu=False, model=model)
+    except Exception as err:  # noqa: BLE001 - another Liger or transformers: say so
+        return f"apply_liger_kernel_to_llama failed: {err}"
+    return None
+
+
+def _stepper(model, ids, compiled: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    fwd = torch.compile(model) if compiled else model
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _paired(a, b, window: int, rounds: int, warmup: int) -> dict:
+    """Alternating windows of ``window`` steps of a and b (order swapped every round);
+    medians of ms per step and of the per-round ratio a/b."""
+    for _ in range(warmup):
+        a()
+        b()
+    _sync()
+    ta, tb = [], []
+    for r in range(rounds):
+        for which in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+            fn, acc = which
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(window):
+                fn()
+            _sync()
+            acc.append((time.perf_counter() - t0) / window * 1e3)
+    ratios = [x / y for x, y in zip(ta, tb)]
+    return {"a_ms": statistics.median(ta), "b_ms": statistics.median(tb),
+            "ratio_a_over_b": statistics.median(ratios), "rounds": rounds, "window": window}
+
+
+def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dict]:
+    batch, seq = (2, 128) if quick else (8, 1024)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    window, rounds, warmup = (2, 2, 1) if quick else (5, 6, 3)
+    out = []
+
+    def pair(name_a, make_a, name_b, make_b, compiled=False, needs=30.0):
+        if budget.left() < needs:
+            rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": "out of time"}
+            log(rec)
+            out.append(rec)
+            return
+        model_a, model_b = make_a(), make_b()
+        if isinstance(model_a, str):
+            rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": model_a}
+        else:
+            rec = {"part": "llama", "a": name_a, "b": name_b, "compiled": compiled,
+                   "batch": f"{batch}x{seq}",
+                   **_paired(_stepper(model_a, ids, compiled), _stepper(model_b, ids, compiled),
+                             window, rounds, warmup + (2 if compiled else 0))}
+        log(rec)
+        out.append(rec)
+        del model_a, model_b
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+    def unswapped():
+        return _llama(quick)
+
+    def swapped():
+        model = _llama(quick)
+        tritonnorm.replace_rms_norms(model)
+        return model
+
+    def liger():
+        model = _llama(quick)
+        why_not = _liger_patch(model)
+        return model if why_not is None else why_not
+
+    pair("unswapped", unswapped, "tritonnorm", swapped)
+    pair("liger", liger, "tritonnorm", swapped)
+    if compile_too:
+        pair("compiled unswapped", unswapped, "compiled tritonnorm", swapped, compiled=True,
+             needs=150.0)
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def markdown(records: list[dict], env: dict) -> str:
+    lines = [f"# tritonnorm on {env['device']} (torch {env['torch']}, triton "
+             f"{env['triton']}, transformers {env['transformers']})", "",
+             "## (a) Eager fwd+bwd per call, kernels vs F.rms_norm (µs)", "",
+             "| dtype | H | rows | variant | kernels eager | torch eager | kernels device "
+             "| torch device | best | auto picks |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
+    for r in records:
+        if r["part"] == "crossover" and "skipped" in r:
+            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | - | skipped: "
+                         f"{r['skipped']} | | | | | |")
+        elif r["part"] == "crossover":
+            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | {r['variant']} | "
+                         f"{r['kernels_eager_us']:.1f} | {r['torch_eager_us']:.1f} | "
+                         f"{r['kernels_device_us']:.1f} | {r['torch_device_us']:.1f} | "
+                         f"{r['best']} | {r['auto_picks']} |")
+    lines += ["", "## (b) HF Llama ~1B training step (ms; x = first / second, paired)", "",
+              "| first | second | first ms | second ms | x |", "|---|---|---:|---:|---:|"]
+    for r in records:
+        if r["part"] == "llama":
+            if "skipped" in r:
+                lines.append(f"| {r['a']} | {r['b']} | - | - | skipped: {r['skipped']} |")
+            else:
+                lines.append(f"| {r['a']} | {r['b']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | "
+                             f"{r['ratio_a_over_b']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for the results")
+    parser.add_argument("--quick", action="store_true", help="a few small cells: a smoke test")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled pair")
+    parser.add_argument("--skip", choices=("crossover", "llama"), action="append", default=[])
+    parser.add_argument("--budget-s", type=float, default=340.0,
+                        help="wall-clock limit: parts not started by then are left out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("h200_hf.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    import transformers
+    import triton
+
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "transformers": transformers.__version__,
+           "tritonnorm": tritonnorm.__version__, "torch_below": dict(OPTIONS.torch_below)}
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    budget = Budget(args.budget_s)
+    # What part (b) needs: two eager pairs, and the compiled pair's two compilations.
+    reserve = 0.0 if "llama" in args.skip else 60.0 + (0.0 if args.no_compile else 150.0)
+
+    def log(rec):
+        print(json.dumps(rec), flush=True)
+
+    if "crossover" not in args.skip:
+        records += crossover(args.quick, log, budget, reserve)
+    if "llama" not in args.skip:
+        records += llama_steps(args.quick, not args.no_compile, log, budget)
+    env["seconds"] = round(time.perf_counter() - t0, 1)
+    jsonl = "".join(json.dumps({**r, "env": env}) + "\n" for r in records)
+    atomic_write_text(args.out / "h200_hf.jsonl", jsonl)
+    atomic_write_text(args.out / "h200_hf.md", markdown(records, env))
+    print(f"wrote {args.out / 'h200_hf.jsonl'} and {args.out / 'h200_hf.md'} "
+          f"in {env['seconds']} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
