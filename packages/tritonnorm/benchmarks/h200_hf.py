@@ -239,15 +239,23 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
         return model
 
     def liger():
+        # Liger's patch also replaces LlamaRMSNorm in transformers' module: undo that at
+        # once, so that the models built after this one keep Hugging Face's norm.
+        from transformers.models.llama import modeling_llama
+
+        original = modeling_llama.LlamaRMSNorm
         model = _llama(quick)
-        why_not = _liger_patch(model)
+        try:
+            why_not = _liger_patch(model)
+        finally:
+            modeling_llama.LlamaRMSNorm = original
         return model if why_not is None else why_not
 
     pair("unswapped", unswapped, "tritonnorm", swapped)
-    pair("liger", liger, "tritonnorm", swapped)
     if compile_too:
         pair("compiled unswapped", unswapped, "compiled tritonnorm", swapped, compiled=True,
              needs=150.0)
+    pair("liger", liger, "tritonnorm", swapped)
     return out
 
 

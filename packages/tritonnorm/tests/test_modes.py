@@ -166,8 +166,12 @@ def test_dispatch_rule():
     with ops.OPTIONS.override(eager_dispatch="torch"):
         assert ops._prefer_torch(x) == (ops._F_RMS_NORM is not None)
     with ops.OPTIONS.override(eager_dispatch="auto"):
-        assert ops._prefer_torch(x) == ops.HAS_FUSED_TORCH
+        assert not ops._prefer_torch(x)  # 16-bit: the kernels at every measured size
+        small = torch.empty(8, 512, dtype=torch.float32)
+        assert ops._prefer_torch(small) == ops.HAS_FUSED_TORCH  # host-bound float32
         assert not ops._prefer_torch(torch.empty(0, dtype=torch.float64))  # no threshold
+        with ops.OPTIONS.override(torch_below={"torch.bfloat16": 8 * 512 + 1}):
+            assert ops._prefer_torch(x) == ops.HAS_FUSED_TORCH
         with ops.OPTIONS.override(torch_below={"torch.bfloat16": 8 * 512}):
             assert not ops._prefer_torch(x)
     with ops.OPTIONS.override(eager_dispatch="fast"), pytest.raises(ValueError, match="auto"):

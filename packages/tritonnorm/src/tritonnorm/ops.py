@@ -154,12 +154,19 @@ class KernelOptions:
     Under ``torch.compile`` the kernels always run (Inductor launches them)."""
 
     torch_below: dict = dataclasses.field(default_factory=lambda: {
-        "torch.bfloat16": 1 << 22, "torch.float16": 1 << 22, "torch.float32": 1 << 21})
+        "torch.bfloat16": 0, "torch.float16": 0, "torch.float32": 1 << 21})
     """The "auto" rule: elements of x (rows x hidden) below which an eager call takes
-    PyTorch's path, by x's dtype (``str(dtype)``). Provisional (about 4.2 M 16-bit
-    elements, 2.1 M float32: where the kernels' fwd+bwd device time reaches the ~45 µs
-    of host time they cost over ``F.rms_norm``'s); ``benchmarks/h200_hf.py`` measures
-    the crossover. PyTorch < 2.9 has no fused CUDA kernel: "auto" then never picks it."""
+    PyTorch's path, by x's dtype (``str(dtype)``). Measured on one H200 (torch 2.11,
+    2026-12-02, ``benchmarks/h200_hf.py``): in 16-bit dtypes the kernels' eager
+    forward+backward was at or below ``F.rms_norm``'s at every size from 2 M to 410 M
+    elements (its fused backward takes 2-5x the device time), so "auto" never picks PyTorch
+    there. In float32, called alone back to back, ``F.rms_norm`` was faster up to 16.8 M
+    elements (host-bound: 100-175 µs against 140-220 µs), but inside a Hugging Face Llama
+    (float32 residual stream under bf16 autocast, 16.8 M elements a norm) its path made
+    the training step 4% slower than the kernels' (paired: 136.7 against 131.5 ms): inside
+    a model the kernels' lower device time wins once the GPU is busy. So float32 calls
+    below 2 M elements only. PyTorch < 2.9 has no fused CUDA kernel: "auto" then never
+    picks it."""
 
     def override(self, **changes) -> contextlib.AbstractContextManager:
         """Context manager: set some fields, restore them on exit."""
