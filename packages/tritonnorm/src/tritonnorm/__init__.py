@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.5.2"
+__version__ = "0.6.0"
 
 # Every name is imported on first use (PEP 562): `import tritonnorm` alone loads neither
 # torch nor triton, so that `lab2bench --help` can list tritonnorm's suites (entry points
