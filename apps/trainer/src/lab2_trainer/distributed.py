@@ -220,9 +220,11 @@ def _local_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s
         os._exit(code)
 
 
-#: The loggers of the elastic agent: quiet during a local launch, where ``lab2-train``
-#: says in one line what happened (a rank's failure is its own message).
-_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+#: The loggers of the elastic agent and of its worker processes: quiet during a local
+#: launch, where ``lab2-train`` says in one line what happened (a rank's failure is its own
+#: message).
+_AGENT_LOGGERS = (
+    "torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
