@@ -119,7 +119,8 @@ def launched_by_torchrun() -> bool:
 
 
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
-    """Join the process group described by torchrun's environment variables."""
+    """Join the process group the elastic agent describes in the environment (torchrun's or
+    ``--nproc``'s: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = rank_device(device_type, local_rank)
