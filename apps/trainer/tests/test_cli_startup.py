@@ -58,3 +58,22 @@ def test_lab2bench_lists_the_trainer_suites_without_torch():
     run = run_main("lab2bench.cli", ["--help"])
     assert run.code == 0 and run.slow_imports == [], run
     assert all(f"train-{name}" in run.out for name in SUITES)
+
+
+def test_the_runtime_imports_no_benchmark_package():
+    """Training, launching and planning take nothing from ``lab2bench`` (only the ``bench``
+    subpackage does)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lab2_trainer
+
+    root = Path(lab2_trainer.__file__).parent
+    names = sorted(f"lab2_trainer.{p.stem}" for p in root.glob("*.py") if p.stem != "__init__")
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lab2bench'))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout

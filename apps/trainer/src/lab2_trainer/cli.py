@@ -351,15 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as exc:
             return _error(str(exc))
         if under_torchrun:
-            supervise.set_parent_death_signal()
-            ctx = D.init_from_env(device_type, timeout_s)
-            try:
-                train(ctx, settings)
-            except UsageError as exc:
-                return _error(str(exc))
-            finally:
-                D.dist.destroy_process_group()
-            return EXIT_OK
+            # The rank entry of a local run too (spawn_local): one launch path.
+            return D.run_rank(train, (settings,), device_type, timeout_s)
         if world_size > 1:
             if device_type == "cpu":
                 _preload(settings)
@@ -419,8 +412,8 @@ def _claim_out(settings):
 def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
+    from lab2_trainer.atomic_files import atomic_write_text
     from lab2_trainer.settings import to_toml
-    from lab2bench.records import atomic_write_text
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 

@@ -1,17 +1,22 @@
-"""Process setup: one process, N local ranks (``--nproc``), or ranks started by ``torchrun``.
+"""Process setup: one process, or ranks started by torch.distributed's elastic launcher.
 
-Every rank ends up with a :class:`DistContext` naming its rank, the world size and its
-device. Local ranks meet through a ``file://`` rendezvous in a fresh temporary folder (no
-ports to collide); under ``torchrun`` the usual ``env://`` variables (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT) are read.
+There is one launch path. ``lab2-train --nproc N`` runs the elastic agent that ``torchrun``
+runs (:func:`torch.distributed.launcher.api.elastic_launch`) in this process, for one node
+of N ranks with a c10d rendezvous on localhost (port 0: the system picks a free one);
+several machines run ``torchrun`` on each. Either way every rank enters through
+:func:`run_rank`, which joins the process group from the elastic agent's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and ends up with a
+:class:`DistContext` naming its rank, the world size and its device. What ``lab2-train``
+adds to the agent (ranks that die with their launcher, naming a rank that stopped
+answering) is :mod:`lab2_trainer.supervise`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,17 +29,14 @@ import torch.distributed as dist
 from lab2_trainer.errors import UsageError
 from lab2_trainer.supervise import (
     FAILED,
+    PEER_LOST,
     TIMED_OUT,
-    RankWatch,
+    LaunchWatch,
+    RankGuard,
     exit_code_for,
     is_timeout_error,
-)
-from lab2bench.ranks import (  # threads_per_rank: CPU threads per rank sharing the cores
-    EXITED,
-    RankError,
-    RankGroup,
-    rank_watch,
-    threads_per_rank,
+    make_watch_folder,
+    signal_name,
 )
 
 # Exit code of a rank that stopped on bad input (it already printed one line).
@@ -117,7 +119,8 @@ def launched_by_torchrun() -> bool:
 
 
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
-    """Join the process group described by torchrun's environment variables."""
+    """Join the process group the elastic agent describes in the environment (torchrun's or
+    ``--nproc``'s: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = rank_device(device_type, local_rank)
@@ -127,41 +130,6 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
         timeout=timedelta(seconds=timeout_s),
     )
     return DistContext(rank, world, local_rank, device)
-
-
-def _rank_main(rank: int, world: int, spec: tuple) -> None:
-    """One local rank (its process group is up): run ``fn(ctx, *args)``; on failure print
-    one message and exit with the run's code."""
-    device_type, timeout_s, fn, args = spec
-    watch = rank_watch()
-    try:
-        device = rank_device(device_type, rank)
-        fn(DistContext(rank, world, rank, device), *args)
-    except UsageError as exc:
-        print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_INPUT)
-    except KeyboardInterrupt as exc:
-        sys.exit(exit_code_for(exc))
-    except BaseException as exc:
-        if is_timeout_error(exc):
-            if watch is not None:
-                watch.mark(rank, TIMED_OUT)
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-            print(f"lab2-train: rank {rank} gave up waiting for the other ranks after "
-                  f"--timeout {timeout_s:g} s ({reason})", file=sys.stderr, flush=True)
-        elif is_peer_lost_error(exc):
-            # Another rank is gone (the launcher names it and how it ended): this rank's
-            # broken collective is a consequence, not a second story.
-            if watch is not None:
-                watch.mark(rank, FAILED)
-            print(f"lab2-train: rank {rank} stopped: another rank closed its connection "
-                  "mid-collective", file=sys.stderr, flush=True)
-        else:
-            if watch is not None:
-                watch.mark(rank, FAILED)
-            print(f"lab2-train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
-                  flush=True)
-        sys.exit(1)
 
 
 #: How a collective reports that a peer went away (Gloo's TCP transport, NCCL).
@@ -178,58 +146,101 @@ def is_peer_lost_error(exc: BaseException) -> bool:
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads each CPU rank should use so that ranks do not oversubscribe the
+    cores (on 2 cores with 2 ranks: 1 thread each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, world_size))
 
 
 def _say(line: str) -> None:
     print(f"lab2-train: {line}", file=sys.stderr, flush=True)
 
 
-def _report_failure(group: RankGroup, failed_rank: int | None, timeout_s: float) -> int:
-    """After a rank failed: name what stopped (killed, signalled, frozen) and return the
-    first failing exit code."""
-    procs, watch = group.procs, group.watch
-    if failed_rank is not None:  # it reported its failure; its exit code follows
-        procs[failed_rank].join(timeout=5)
-    # Give the others a moment to end (a rank stopped by a signal often ends just after
-    # the peer whose collective it broke) and to print their own error line, then read
-    # every exit code: the first failure seen is not always the cause.
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-        time.sleep(0.05)
-    time.sleep(0.2)
-    codes = [p.exitcode for p in procs]
-    why = watch.explain_stop(procs, timeout_s)
-    group.frozen = tuple(r for r, _ in watch.silent_ranks(procs, 2.0))
-    for rank, code in enumerate(codes):
-        if code is not None and code < 0:
-            _say(f"rank {rank} (pid {procs[rank].pid}) was killed by {_signal_name(-code)}")
-        elif code in (130, 143):  # a signal to the rank alone: it stopped in order
-            _say(f"rank {rank} (pid {procs[rank].pid}) was stopped by "
-                 f"{'SIGTERM' if code == 143 else 'SIGINT'}")
-    if why:
-        _say(why)
-    failed = [c for c in codes if c not in (None, 0)]
-    return (failed[0] if failed[0] > 0 else 1) if failed else 1
+def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: float,
+             folder: str | None = None, launcher_pid: int | None = None) -> int:
+    """The entry of every rank, local or started by ``torchrun``: guard the rank
+    (:class:`supervise.RankGuard`), join the process group and run ``fn(ctx, *args)``;
+    return the rank's exit code, having printed one message when it failed.
+
+    Args:
+        fn: takes a :class:`DistContext` first.
+        args: the rest of ``fn``'s arguments.
+        device_type: "cpu" (Gloo) or "cuda" (NCCL, the GPU of the local rank).
+        timeout_s: the process group's collective timeout (``--timeout``).
+        folder: the local run's watch folder (None under ``torchrun``).
+        launcher_pid: the local launcher's pid (None: the parent, torchrun's agent).
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    guard = RankGuard(rank, folder, launcher_pid).start()
+    signalled = False
+    try:
+        ctx = init_from_env(device_type, timeout_s)
+        fn(ctx, *args)
+        dist.destroy_process_group()
+        return 0
+    except UsageError as exc:
+        print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
+        guard.mark(FAILED)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt as exc:
+        signalled = True
+        return exit_code_for(exc)
+    except BaseException as exc:
+        if is_timeout_error(exc):
+            guard.mark(TIMED_OUT)
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            _say(f"rank {rank} gave up waiting for the other ranks after --timeout "
+                 f"{timeout_s:g} s ({reason})")
+        elif is_peer_lost_error(exc):
+            # Another rank is gone (the launcher names it and how it ended): this rank's
+            # broken collective is a consequence, not a second story.
+            guard.mark(PEER_LOST)
+            _say(f"rank {rank} stopped: another rank closed its connection mid-collective")
+        else:
+            guard.mark(FAILED)
+            _say(f"rank {rank} failed:\n{traceback.format_exc()}")
+        return 1
+    finally:
+        guard.stop(signalled=signalled)
+
+
+def _local_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: float,
+                folder: str, launcher_pid: int, threads: int) -> None:
+    """What the elastic agent runs in each local rank: :func:`run_rank`. A rank that failed
+    or was stopped ends at once, without the interpreter's shutdown (where threads of the
+    torch and Gloo runtimes may still call into a half-torn-down Python)."""
+    torch.set_num_threads(threads)
+    code = run_rank(fn, args, device_type, timeout_s, folder, launcher_pid)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+#: The loggers of the elastic agent and of its worker processes: quiet during a local
+#: launch, where ``lab2-train`` says in one line what happened (a rank's failure is its own
+#: message).
+_AGENT_LOGGERS = (
+    "torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
-    """Run ``fn(ctx, *args)`` on ``nproc`` local ranks; return the first failing exit code
-    (0 when all succeed).
+    """Run ``fn(ctx, *args)`` on ``nproc`` local ranks through torch.distributed's elastic
+    agent (one node, c10d rendezvous on localhost, no restarts); return the first failing
+    exit code (0 when all succeed).
 
-    The ranks are :class:`lab2bench.ranks.RankGroup`'s. On the CPU they are forked (this
-    process has imported torch already, which takes seconds on a small machine; a fork
-    shares it); on GPUs they are spawned fresh, since a fork must not inherit a CUDA
-    context. When one rank fails, the others are stopped at once instead of waiting in a
-    collective for the timeout. The ranks die with this process
-    (:mod:`lab2bench.supervise`); a rank without a heartbeat for ``timeout_s`` ends the
-    run, named. SIGTERM here (see :func:`supervise.install_termination_handler`) stops the
-    ranks in order, like Ctrl-C; the rendezvous folder is always removed.
+    On the CPU the ranks are forked (this process has imported torch already, which takes
+    seconds on a small machine); on GPUs they are spawned fresh, since a fork must not
+    inherit a CUDA context. When one rank fails the agent stops the others at once (SIGTERM,
+    then SIGKILL after 5 s). The ranks die with this process, and a rank without a heartbeat
+    for ``timeout_s`` is killed and named (:mod:`lab2_trainer.supervise`). SIGTERM or Ctrl-C
+    here stops the ranks in order; the watch folder is always removed.
 
     Args:
         nproc: number of ranks.
@@ -238,28 +249,60 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
         timeout_s: the process group's collective timeout, and how long a rank may
             go without a heartbeat.
     """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     if device_type == "cuda" and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} needs {nproc} GPUs; {torch.cuda.device_count()} visible")
-    group = RankGroup(_rank_main, nproc, (device_type, timeout_s, fn, args),
-                      device=device_type, pg_timeout=timeout_s,
-                      threads=threads_per_rank(nproc),
-                      start_method="fork" if device_type == "cpu" else "spawn",
-                      rdzv_prefix="lab2-train-rdzv-", stop_grace=5.0, daemon=False,
-                      watch_type=RankWatch)
-    with group:
-        try:
-            group.collect(silence_limit=timeout_s)
-            return 0
-        except RankError as exc:
-            if exc.kind == "silent":
-                _say(f"{exc} (--timeout {timeout_s:g}); stopped or frozen. Ending the run.")
-                return 1
-            if exc.kind == "raised" and EXITED not in (exc.detail.splitlines() or [EXITED])[0]:
-                # It failed before it could speak for itself (joining the process group).
-                _say(f"rank {exc.rank} failed:\n{exc.detail}")
-            return _report_failure(group, exc.rank, timeout_s)
-        except KeyboardInterrupt as exc:
+    folder = make_watch_folder()
+    threads = threads_per_rank(nproc)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"lab2-train-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        monitor_interval=0.1, start_method="fork" if device_type == "cpu" else "spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")), shutdown_timeout=5)
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    quiet = logging.NullHandler()
+    saved_logging = [(log.propagate, log.handlers[:]) for log in loggers]
+    for log in loggers:
+        log.propagate = False
+        log.handlers = [quiet]
+    # Ranks inherit the environment: OpenMP must not start a thread per core in each.
+    saved_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    watch = LaunchWatch(folder, nproc, timeout_s).start()
+    try:
+        elastic_launch(config, _local_rank)(fn, args, device_type, timeout_s, folder,
+                                            os.getpid(), threads)
+        return 0
+    except ChildFailedError as exc:
+        lines, code = watch.verdict(exc.failures)
+        for line in lines:
+            _say(line)
+        return code
+    except (SignalException, KeyboardInterrupt) as exc:
+        if isinstance(exc, SignalException):
+            sig = exc.sigval
+            code = 128 + int(sig)
+        else:
             code = exit_code_for(exc)
-            _say(f"{'stopped by SIGTERM' if code == 143 else 'interrupted'}: stopping the "
-                 "ranks; the last checkpoint is intact")
-            return code
+            sig = signal.SIGTERM if code == 143 else signal.SIGINT
+        word = "interrupted" if sig == signal.SIGINT else f"stopped by {signal_name(sig)}"
+        _say(f"{word}: stopping the ranks; the last checkpoint is intact")
+        return code
+    finally:
+        watch.stop()
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        for log, (propagate, kept) in zip(loggers, saved_logging):
+            log.propagate, log.handlers = propagate, kept
+        if saved_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
+        shutil.rmtree(folder, ignore_errors=True)

@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from lab2bench.records import atomic_write, atomic_write_text
+from lab2_trainer.atomic_files import atomic_write, atomic_write_text
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"
@@ -45,10 +45,8 @@ VERSIONED = ("lab2-trainer", "tritonnorm", "minddp", "zero1", "lab2bench", "torc
 
 def provenance() -> dict[str, Any]:
     """What a run ran on, for summary.json: ``versions`` of :data:`VERSIONED` (read from
-    the installed metadata, so nothing is imported) and ``git``, lab2bench's record of
-    the working directory's checkout (``{"commit", "dirty"}``, or None outside one)."""
-    from lab2bench.env import git_commit
-
+    the installed metadata, so nothing is imported) and ``git``, the working directory's
+    checkout (``{"commit", "dirty"}``, or None outside one)."""
     versions: dict[str, str | None] = {}
     for name in VERSIONED:
         try:
@@ -56,6 +54,23 @@ def provenance() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return {"versions": versions, "git": git_commit()}
+
+
+def git_commit() -> dict[str, Any] | None:
+    """``{"commit": sha, "dirty": bool}`` of the git checkout holding the working
+    directory; None outside one, or without git."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+
+    try:
+        sha = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": sha, "dirty": dirty}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

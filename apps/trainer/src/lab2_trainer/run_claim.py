@@ -43,7 +43,7 @@ LOCK_NAME = ".lab2-train.lock"
 # it points to.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Temporary files of interrupted atomic writes: .<name>[.<random>].<pid>.tmp (see
-# lab2bench.records.atomic_write), and .<stem>.<pid>.tmp.png of earlier versions.
+# lab2_trainer.atomic_files), and .<stem>.<pid>.tmp.png of earlier versions.
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.png)?$")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lab2_trainer.atomic_files import atomic_write_text
 from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.checkpoint import (
     CHECKPOINT_NAME,
@@ -56,7 +57,6 @@ from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.schedule import WarmupCosine, set_lr
 from lab2_trainer.settings import PRECISIONS, TrainSettings
-from lab2bench.records import atomic_write_text
 
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003

@@ -1,6 +1,6 @@
-"""Spawn N local ranks, with deadlines, and collect their results: the one launcher of the
-workspace (the benchmarks, the Gloo tests' ``lab2_testing.dist`` and ``lab2-train --nproc``
-are built on it).
+"""Spawn N local ranks, with deadlines, and collect their results: the launcher of the
+benchmarks and of the Gloo tests' ``lab2_testing.dist`` (``lab2-train --nproc`` uses
+torch.distributed's elastic agent instead, as ``torchrun`` does).
 
 Each rank is a fresh process, by default started from a forkserver that has imported torch
 once (so a rank starts in well under a second); it joins a process group through a
