@@ -9,6 +9,7 @@ import torch
 
 from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.cli import build_parser
+from lab2_trainer.errors import UsageError
 
 
 def test_caller_turns_autograd_workers_off_for_this_thread_only():
@@ -48,7 +49,7 @@ def test_unknown_thread_is_refused():
 def test_flag_takes_the_two_choices():
     parser = build_parser()
     assert parser.parse_args(["--backward-thread", "autograd"]).backward_thread == "autograd"
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--backward-thread"):  # one line, not the usage
         parser.parse_args(["--backward-thread", "main"])
 
 

@@ -504,8 +504,9 @@ class LaunchWatch:
         why = self._why(first)
         if why:
             lines.append(why)
-        codes = [self.ends[r].code for r in sorted(self.ends)]
-        positive = [c for c in codes if c]
+        # The run's code: a rank's own failure, not that of a rank the agent stopped after it.
+        positive = [e.code for _, e in sorted(self.ends.items()) if e.code and not (
+            e.code in (EXIT_TERMINATED, EXIT_INTERRUPTED) and e.at > first)]
         return lines, (positive[0] if positive else 1)
 
     def _why(self, first: float) -> str | None:
