@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab2_testing.procs import children, running, wait_for
 from lab2_trainer import checkpoint_integrity as integrity
 from lab2_trainer.cli import main
 
@@ -326,37 +327,6 @@ def test_11_a_resume_not_beyond_the_checkpoint_is_refused(capsys, monkeypatch, f
 
 
 # ------------------------------------------------------------- 12. nothing left behind
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size, corpus_dir,
@@ -386,8 +356,8 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         start_new_session=True)
     ranks: list[int] = []
     try:
-        _wait_for(lambda: (out / "metrics.jsonl").is_file(), START_S, "the first steps")
-        ranks = _wait_for(lambda: len(_children(launcher.pid)) == 2 and _children(launcher.pid),
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), START_S, "the first steps")
+        ranks = wait_for(lambda: children(launcher.pid, count=2),
                           10, "the ranks")
         assert not stale.exists() and live.exists()
         os.kill(ranks[1], signal.SIGSTOP)
@@ -395,11 +365,11 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
         killed = time.monotonic()
-        _wait_for(lambda: not any(map(_running, ranks)), 15, "the ranks to die")
+        wait_for(lambda: not any(map(running, ranks)), 15, "the ranks to die")
         assert time.monotonic() - killed < 10
     finally:
         for pid in [launcher.pid, *ranks]:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=30)
     assert [p.name for p in tmp_path.glob("lab2-train-rdzv-*")] == [live.name]

@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from lab2_testing.procs import children, wait_for
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux",
                                                    reason="reads /proc")]
 
@@ -69,35 +71,9 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
         "--sharding", "zero2", "--bucket-mb", "0.01"]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found) if len(found) == 2 else []
-
-
 def _trained_steps(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        if proc.poll() is not None:
-            raise AssertionError(f"exited ({proc.returncode}) before {what}: "
-                                 f"{proc.stderr.read()}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_lab2_train_zero2_names_a_killed_rank_within_the_timeout(corpus_dir, tmp_path):
@@ -110,8 +86,8 @@ def test_lab2_train_zero2_names_a_killed_rank_within_the_timeout(corpus_dir, tmp
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
-        _wait_for(lambda: _trained_steps(out) >= 2, START_S, "the first steps", proc)
-        ranks = _wait_for(lambda: _children(proc.pid), 10, "the ranks", proc)
+        wait_for(lambda: _trained_steps(out) >= 2, START_S, "the first steps", proc)
+        ranks = wait_for(lambda: children(proc.pid, count=2), 10, "the ranks", proc)
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
         proc.wait(timeout=60)

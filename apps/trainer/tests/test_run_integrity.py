@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab2_testing.procs import children, running, wait_for
 from lab2_trainer.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux",
@@ -49,19 +50,6 @@ def _launch(args: list[str], tmp: Path) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited ({proc.returncode}) before {what}: "
-                                 f"{proc.stderr.read()}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     if not path.is_file():
@@ -69,31 +57,9 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found) if len(found) == 2 else []
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a dead rank waits for PID 1 to reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _stop(proc: subprocess.Popen, ranks: list[int]) -> None:
     for pid in [proc.pid, *ranks]:
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
 
@@ -103,8 +69,8 @@ def _training_run(corpus: Path, out: Path, tmp: Path, *extra: str):
     proc = _launch([*TINY, "--data", str(corpus), "--steps", "100000", "--out", str(out),
                     *extra], tmp)
     try:
-        _wait_for(lambda: len(_steps(out)) >= 2, START_S, "the first steps", proc)
-        ranks = _wait_for(lambda: _children(proc.pid), 10, "the ranks", proc)
+        wait_for(lambda: len(_steps(out)) >= 2, START_S, "the first steps", proc)
+        ranks = wait_for(lambda: children(proc.pid, count=2), 10, "the ranks", proc)
     except BaseException:
         proc.kill()
         proc.wait(timeout=30)
@@ -127,7 +93,7 @@ def test_second_run_into_a_claimed_folder_is_refused_and_the_first_keeps_its_res
         assert len(lines) == 1 and f"pid {first.pid}" in lines[0], second.stderr
         assert "in use by another run" in lines[0]
         n = len(_steps(out))
-        _wait_for(lambda: len(_steps(out)) > n + 2, 60, "the first run to go on", first)
+        wait_for(lambda: len(_steps(out)) > n + 2, 60, "the first run to go on", first)
         # Ctrl-C's orderly stop, by SIGTERM: exit 143, the last checkpoint intact.
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 143
@@ -150,13 +116,13 @@ def test_ranks_die_with_their_launcher(corpus_dir, tmp_path, sig):
     out = tmp_path / "run"
     launcher, ranks = _training_run(corpus_dir, out, tmp_path, "--ckpt-every", "2")
     try:
-        _wait_for(lambda: (out / "ckpt.pt").is_file(), 60, "a checkpoint", launcher)
+        wait_for(lambda: (out / "ckpt.pt").is_file(), 60, "a checkpoint", launcher)
         if sig == signal.SIGINT:
             os.killpg(launcher.pid, sig)
         else:
             os.kill(launcher.pid, sig)
         killed = time.monotonic()
-        _wait_for(lambda: not any(map(_running, ranks)), 10, "the ranks to die")
+        wait_for(lambda: not any(map(running, ranks)), 10, "the ranks to die")
         assert time.monotonic() - killed < 5
         launcher.wait(timeout=60)
         err = launcher.stderr.read()
@@ -191,10 +157,10 @@ def test_a_stopped_rank_is_named_after_the_timeout(corpus_dir, tmp_path):
         launcher.wait(timeout=60)
         took = time.monotonic() - stopped
         err = launcher.stderr.read()
-        _wait_for(lambda: not any(map(_running, ranks)), 10, "the ranks to die")
+        wait_for(lambda: not any(map(running, ranks)), 10, "the ranks to die")
     finally:
         for pid in ranks:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGCONT)
         _stop(launcher, ranks)
     assert launcher.returncode == 1, err
