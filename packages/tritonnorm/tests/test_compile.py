@@ -113,7 +113,33 @@ def test_inductor_sees_the_kernels():
         pytest.skip("torch.library.triton_op needs PyTorch 2.6")
     x = torch.randn(32, 64, device="cuda")
     w = torch.rand(64, device="cuda") + 0.5
-    fn = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
-    out, code = run_and_get_code(fn, x, w)
-    assert "_fwd_rows_kernel" in "\n".join(code)
+    with compiler_ops.OPTIONS.override(compiled_dispatch="kernels"):
+        fn = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
+        out, code = run_and_get_code(fn, x, w)
+    assert "fwd_rows" in "\n".join(code)
     assert rel_err(out, tritonnorm.rms_norm(x, w) * 2) < 1e-6
+
+
+@pytest.mark.skipif(not CUDA, reason="Inductor launches the Triton operators on CUDA only")
+@pytest.mark.parametrize("choice, kernels", [("auto", False), ("inductor", False),
+                                             ("kernels", True)])
+def test_compiled_dispatch(choice, kernels):
+    # "auto": a plain norm is left to Inductor (which fuses it with its neighbours), the
+    # fused add runs our kernels; either way the result is the eager one.
+    from torch._inductor.utils import run_and_get_code
+
+    from tritonnorm import ops as compiler_ops
+
+    torch._dynamo.reset()
+    x, r = torch.randn(2, 32, 64, device="cuda"), torch.randn(2, 32, 64, device="cuda")
+    w = torch.rand(64, device="cuda") + 0.5
+    with compiler_ops.OPTIONS.override(compiled_dispatch=choice):
+        plain = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
+        out, code = run_and_get_code(plain, x, w)
+        added = torch.compile(lambda a, b, c: tritonnorm.fused_add_rms_norm(a, b, c)[0],
+                              fullgraph=True)
+        y, add_code = run_and_get_code(added, x, r, w)
+    assert ("fwd_rows" in "\n".join(code)) is kernels
+    assert ("fwd_rows" in "\n".join(add_code)) is (choice != "inductor")
+    assert rel_err(out, tritonnorm.rms_norm(x, w) * 2) < 1e-5
+    assert rel_err(y, tritonnorm.fused_add_rms_norm(x, r, w)[0]) < 1e-5

@@ -16,7 +16,9 @@ Memory, per GPU, item by item (:func:`memory_items`):
   ShardedOptimizer is the plain optimizer and holds nothing more;
 * **half-precision weight copies**: eager autocast casts every matrix to bf16/fp16 once per
   forward and the matrix products keep the copies for the backward (2 bytes a matrix
-  parameter); compiled graphs cast again in the backward instead;
+  parameter); compiled graphs cast again in the backward instead. A checkpointed block
+  keeps none: its copies exist again only while it is recomputed (one block's, beside the
+  LM head's);
 * **activations**: :func:`layer_activation_bytes` per token and layer, times the layers
   and the micro-batch's tokens; the final norm and the logits (:func:`logits_bytes`); with
   ``full`` checkpointing each block keeps only its inputs, and one block's activations
@@ -298,7 +300,14 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     # and DDPBucketed's and DistributedDataParallel's buckets.
     persistent = (p.sharding == "zero1" and N > 1) or p.ddp in ("bucketed", "torch")
     half = p.precision != "fp32"
-    casts = 2 * counts["matmul"] if half and not p.compile else 0.0
+    casts = 0.0
+    if half and not p.compile:
+        cast = counts["matmul"]
+        if p.activation_checkpointing != "none":
+            # A checkpointed block's forward saves nothing, its casts included: only the
+            # block being recomputed holds its copies, beside the unchecked head's.
+            cast -= (c.n_layers - 1) * counts["block_matmul"]
+        casts = 2 * cast
     tokens = p.micro_batch * c.context_length
     per_layer = layer_activation_bytes(c, p.precision, p.activation_checkpointing, p.compile)
     activations = tokens * (c.n_layers * per_layer + final_activation_bytes(c, p.precision))

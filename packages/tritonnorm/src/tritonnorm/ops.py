@@ -48,6 +48,7 @@ from tritonnorm.reference import (
     check_rms_norm_args,
     default_out_dtype,
     kernel_eps,
+    rms_norm_reference,
 )
 
 try:  # Triton is optional: without it (or on a platform it lacks) CUDA tensors use PyTorch.
@@ -154,7 +155,7 @@ class KernelOptions:
     Under ``torch.compile`` the kernels always run (Inductor launches them)."""
 
     torch_below: dict = dataclasses.field(default_factory=lambda: {
-        "torch.bfloat16": 0, "torch.float16": 0, "torch.float32": 1 << 21})
+        "torch.bfloat16": 0, "torch.float16": 0, "torch.float32": 1 << 23})
     """The "auto" rule: elements of x (rows x hidden) below which an eager call takes
     PyTorch's path, by x's dtype (``str(dtype)``). Measured on one H200 (torch 2.11,
     2026-12-02, ``benchmarks/h200_hf.py``): in 16-bit dtypes the kernels' eager
@@ -167,6 +168,18 @@ class KernelOptions:
     a model the kernels' lower device time wins once the GPU is busy. So float32 calls
     below 2 M elements only. PyTorch < 2.9 has no fused CUDA kernel: "auto" then never
     picks it."""
+
+    compiled_dispatch: str = "auto"
+    """Which path a call traced by ``torch.compile`` takes: "kernels" (the registered
+    ``torch.ops.tritonnorm`` operators: Inductor launches our kernels, one opaque pair per
+    norm), "inductor" (the plain-PyTorch formula of ``rms_norm_reference``, for which
+    Inductor generates its own kernels and fuses them with the neighbouring element-wise
+    work) or "auto": Inductor's for ``rms_norm``, our kernels for ``fused_add_rms_norm``.
+    A plain norm's neighbours (the residual add a model does before it, casts after it)
+    are element-wise work Inductor fuses into one pass with the norm, which an opaque
+    kernel pair prevents: in a compiled Hugging Face Llama (1B, 8 x 1,024, one H200,
+    2026-12-02) the kernels made the step 3% slower than Inductor's own norm, Inductor's
+    path ran level. The fused add already does that work in one pass each way."""
 
     def override(self, **changes) -> contextlib.AbstractContextManager:
         """Context manager: set some fields, restore them on exit."""
@@ -1464,6 +1477,16 @@ def _via_op() -> bool:
     return HAS_LIBRARY_OPS and (_is_compiling() or OPTIONS.eager_op)
 
 
+def _to_inductor(fused_add: bool) -> bool:
+    """Whether a call traced by torch.compile takes the plain formula
+    (``OPTIONS.compiled_dispatch``)."""
+    choice = OPTIONS.compiled_dispatch
+    if choice not in ("auto", "kernels", "inductor"):
+        raise ValueError(f"OPTIONS.compiled_dispatch must be 'auto', 'kernels' or "
+                         f"'inductor', got {choice!r}")
+    return _is_compiling() and (choice == "inductor" or (choice == "auto" and not fused_add))
+
+
 def _prefer_torch(x: torch.Tensor) -> bool:
     """Whether an eager call on CUDA takes PyTorch's ``F.rms_norm`` (``OPTIONS.eager_dispatch``)."""
     choice = OPTIONS.eager_dispatch
@@ -1553,6 +1576,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
     if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
         out_dtype = default_out_dtype(x, weight, llama)
     if _via_op():
+        if _to_inductor(fused_add=False):
+            return rms_norm_reference(x, weight, eps, casting_mode=casting_mode,
+                                      offset=offset, out_dtype=out_dtype)
         check_rms_norm_args(x, weight, kernel=True)
         return rms_norm_fwd_op(x, weight, check_eps(eps), out_dtype, offset, llama)[0]
     if _prefer_torch(x):
@@ -1616,6 +1642,10 @@ def fused_add_rms_norm(
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
         check_residual(x, residual, kernel=True)
+        if _to_inductor(fused_add=True):
+            s = (x + residual).to(x.dtype)
+            return rms_norm_reference(s, weight, eps, casting_mode=casting_mode,
+                                      offset=offset, out_dtype=out_dtype), s
         y, s, _ = fused_add_rms_norm_fwd_op(x, residual, weight, check_eps(eps), out_dtype,
                                             offset, llama)
         return y, s

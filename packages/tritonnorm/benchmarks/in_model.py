@@ -1,0 +1,140 @@
+"""tritonnorm inside whole models on one GPU: training-step time against the unswapped norm.
+
+Two models: the trainer's ``TransformerLM`` (``--model trainer``: nn.RMSNorm against
+tritonnorm's fused add + norm) and a Hugging Face Llama of about 1B parameters built from
+its config (``--model hf``: ``LlamaRMSNorm`` against ``replace_rms_norms``). Each cell
+(preset, batch, mode) builds every variant in one process and times them in short windows
+of back-to-back training steps (bf16 autocast, fused AdamW, backward on the calling
+thread), order rotated each round; the ratio is the median over rounds of (the unswapped
+model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
+tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
+(``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
+(``OPTIONS.compiled_dispatch``) compiled. One JSON line per variant goes to ``--out``.
+
+    python packages/tritonnorm/benchmarks/in_model.py --model trainer --presets small,medium \\
+        --batches 8,32 --modes eager,default,reduce-overhead --out trainer.jsonl
+    python packages/tritonnorm/benchmarks/in_model.py --model hf --modes eager,default \\
+        --all-paths --out hf.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tritonnorm import replace_rms_norms
+from tritonnorm.ops import OPTIONS
+
+HF_LLAMA = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=16, intermediate_size=5632, vocab_size=32000)
+
+
+def trainer_model(preset: str, norm: str, batch: int):
+    from lab2_trainer.bench.workload import build_config, build_model, random_batch
+
+    config = build_config(preset, context_length=512, vocab_size=10000,
+                          norm="torch" if norm == "torch" else "tritonnorm")
+    return build_model(config, "cuda", seed=0), random_batch(config, batch, "cuda", seed=0)
+
+
+def hf_model(norm: str, batch: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF_LLAMA)).cuda().train()
+    if norm != "torch":
+        replace_rms_norms(model)
+    tokens = torch.randint(0, HF_LLAMA["vocab_size"], (batch, 1025), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+def make_step(model, batch, mode: str, options: dict):
+    """One training step of ``model`` (compiled unless ``mode`` is eager), its backward on
+    the calling thread as the trainer runs it, under ``OPTIONS.override(**options)``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    fwd = model if mode == "eager" else torch.compile(
+        model, mode=None if mode == "default" else mode)
+    x, y = batch
+
+    def step() -> None:
+        with OPTIONS.override(**options), torch.autograd.set_multithreading_enabled(False):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = fwd(x)
+                logits = out if isinstance(out, torch.Tensor) else out.logits
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+#: Variants beside the unswapped model: name -> tritonnorm options.
+EAGER = {"tritonnorm": {}, "tritonnorm-kernels": {"eager_dispatch": "kernels"},
+         "tritonnorm-torch": {"eager_dispatch": "torch"}}
+COMPILED = {"tritonnorm": {}, "tritonnorm-kernels": {"compiled_dispatch": "kernels"},
+            "tritonnorm-inductor": {"compiled_dispatch": "inductor"}}
+
+
+def window(step, n: int) -> float:
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("trainer", "hf"), default="trainer")
+    p.add_argument("--presets", default="small,medium", help="trainer presets")
+    p.add_argument("--batches", default="8,32", help="sequences per step (hf: 8 x 1024)")
+    p.add_argument("--modes", default="eager,default,reduce-overhead")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--all-paths", action="store_true",
+                   help="also time tritonnorm with each path forced (eager: kernels, "
+                        "F.rms_norm; compiled: kernels, Inductor's own)")
+    p.add_argument("--out", default="in_model.jsonl")
+    args = p.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    presets = args.presets.split(",") if args.model == "trainer" else ["1B"]
+    batches = [int(b) for b in args.batches.split(",")] if args.model == "trainer" else [8]
+    for preset in presets:
+        for batch in batches:
+            for mode in args.modes.split(","):
+                table = EAGER if mode == "eager" else COMPILED
+                names = ["torch", "tritonnorm"] + (list(table)[1:] if args.all_paths else [])
+                steps = {}
+                for name in names:
+                    norm = "torch" if name == "torch" else "tritonnorm"
+                    model, data = (trainer_model(preset, norm, batch) if args.model == "trainer"
+                                   else hf_model(norm, batch))
+                    steps[name] = make_step(model, data, mode, table.get(name, {}))
+                    window(steps[name], 3)  # compile, autotune, fill the allocator
+                times = {name: [] for name in names}
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        times[name].append(window(steps[name], args.window))
+                base = times["torch"]
+                with open(args.out, "a") as f:
+                    for name, t in times.items():
+                        rec = dict(model=args.model, preset=preset, batch=batch, mode=mode,
+                                   variant=name, median_ms=statistics.median(t),
+                                   ratio=statistics.median(b / x for b, x in zip(base, t)),
+                                   rounds=args.rounds, window=args.window)
+                        f.write(json.dumps(rec) + "\n")
+                        print(json.dumps(rec), flush=True)
+                del steps
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
