@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from lab2_trainer.bench.distributed import make_sharded_variant, make_variant, step_marks
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS
 from lab2_trainer.mfu import (
     device_label,
     device_peak,
@@ -40,7 +41,6 @@ from lab2_trainer.mfu import (
     recompute_flops_per_token,
     training_flops_per_token,
 )
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS
 
 STACKS = {  # norm, ddp kind, sharding (the trainer's --ddp and --sharding)
     "ours": ("tritonnorm", "none", "zero1"),

@@ -13,12 +13,11 @@ import torch
 
 from lab2_testing.dist import run_ranks
 from lab2_trainer.checkpointing import recomputed_blocks, selective_kind
-from lab2_trainer.config import ModelConfig
+from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.mfu import block_matmul_parameters, recompute_flops_per_token
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.planner import flops_per_token
-from lab2_trainer.settings import TrainSettings
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

@@ -298,7 +298,7 @@ def test_10_a_resume_keeps_every_setting_of_its_run(finished, tmp_path):
 
 def test_10_the_rank_layout_is_kept_or_resolved_afresh_as_a_whole():
     from lab2_trainer.cli import resumed_settings
-    from lab2_trainer.settings import TrainSettings
+    from lab2_trainer.config import TrainSettings
 
     saved = TrainSettings(nproc=2, ddp="bucketed", sharding="zero1-allreduce", eval_every=7,
                           device_type="cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lab2_trainer import train as train_module
-from lab2_trainer.config import ModelConfig
+from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.mfu import (
     Peak,
@@ -19,7 +19,6 @@ from lab2_trainer.mfu import (
     training_flops_per_token,
 )
 from lab2_trainer.model import TransformerLM
-from lab2_trainer.settings import TrainSettings
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
-from lab2_trainer.settings import BACKWARD_THREADS
+from lab2_trainer.config import BACKWARD_THREADS
 
 
 def backward_thread(kind: str) -> AbstractContextManager:

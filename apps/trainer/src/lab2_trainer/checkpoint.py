@@ -27,7 +27,7 @@ import torch
 
 from lab2_trainer.atomic_files import atomic_write
 from lab2_trainer.checkpoint_integrity import first_damage, first_non_finite, seal
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import UsageError
 
 FORMAT = "lab2-trainer-checkpoint"
 VERSION = 2

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING as KINDS
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING as KINDS
 
 
 def _saved_operators() -> set[Any]:

@@ -18,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer import __version__
-from lab2_trainer.config import PRESETS, ModelConfig, field_docs, model_config
-from lab2_trainer.errors import UsageError
-from lab2_trainer.settings import TrainSettings, flag, from_toml
+from lab2_trainer.config import (
+    PRESETS,
+    ModelConfig,
+    TrainSettings,
+    UsageError,
+    field_docs,
+    flag,
+    from_toml,
+    model_config,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 SETTINGS_NAME = "settings.toml"
@@ -261,8 +268,6 @@ def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Pa
     Raises:
         UsageError: a flag of :data:`FIXED_ON_RESUME` with another value than the run's.
     """
-    from lab2_trainer.settings import flag
-
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != getattr(saved, name):
             raise UsageError(f"checkpoint {path} was trained with {flag(name)} "
@@ -413,7 +418,7 @@ def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
     from lab2_trainer.atomic_files import atomic_write_text
-    from lab2_trainer.settings import to_toml
+    from lab2_trainer.config import to_toml
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lab2_trainer.atomic_files import atomic_write
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import UsageError
 
 VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
 TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")

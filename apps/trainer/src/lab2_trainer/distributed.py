@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import UsageError
 from lab2_trainer.supervise import (
     FAILED,
     PEER_LOST,

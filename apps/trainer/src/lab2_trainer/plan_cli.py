@@ -17,14 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lab2_trainer.config import FFN_KINDS, NORM_KINDS, PRESETS, model_config
-from lab2_trainer.planner import GIB, Hardware, PlanInput, plan
-from lab2_trainer.settings import (
+from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
     DDP_KINDS,
+    FFN_KINDS,
+    NORM_KINDS,
     PRECISIONS,
+    PRESETS,
     SHARDING_KINDS,
+    model_config,
 )
+from lab2_trainer.planner import GIB, Hardware, PlanInput, plan
 
 EXIT_BAD_INPUT = 2
 #: GPU counts of ``--plot``, and the GPUs a node beyond the first.

@@ -50,13 +50,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab2_trainer.config import ModelConfig
-from lab2_trainer.settings import (
+from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
     DDP_KINDS,
     PRECISIONS,
     SELF_REDUCING,
     SHARDING_KINDS,
+    ModelConfig,
 )
 from lab2_trainer.validate_inputs import training_state_parts
 

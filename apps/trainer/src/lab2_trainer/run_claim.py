@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import UsageError
 
 try:
     import fcntl

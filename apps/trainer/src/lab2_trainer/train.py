@@ -40,9 +40,9 @@ from lab2_trainer.checkpoint import (
     save_atomic,
     set_rng_state,
 )
+from lab2_trainer.config import PRECISIONS, TrainSettings, UsageError
 from lab2_trainer.data import BatchSampler, check_batch_layout, load_corpus, unigram_entropy
 from lab2_trainer.distributed import DistContext
-from lab2_trainer.errors import UsageError
 from lab2_trainer.mfu import (
     device_label,
     device_peak,
@@ -56,7 +56,6 @@ from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.schedule import WarmupCosine, set_lr
-from lab2_trainer.settings import PRECISIONS, TrainSettings
 
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003

@@ -12,8 +12,8 @@ from torch import nn
 from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.workload import autocast
+from lab2_trainer.config import TrainSettings
 from lab2_trainer.parallel import build_optimizer, fused_adamw_available
-from lab2_trainer.settings import TrainSettings
 
 #: The learning rate every suite steps AdamW with.
 LR = 1e-4
