@@ -252,7 +252,7 @@ def test_8_bad_checkpoint_content_is_refused_in_the_launcher(capsys, monkeypatch
 # ------------------------------------------------------------- 9. an unreadable claim
 def test_9_an_unreadable_claim_is_taken_over_with_a_note(capsys, monkeypatch, corpus_dir,
                                                          tmp_path):
-    from lab2_trainer.run_claim import LOCK_NAME
+    from lab2_trainer.run_folder import LOCK_NAME
 
     old = time.time() - 3600
     for content, name in ((b"\x00garbage{", "garbage"), (b"", "empty")):

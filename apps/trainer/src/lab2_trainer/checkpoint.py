@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from lab2_trainer.atomic_files import atomic_write
 from lab2_trainer.checkpoint_integrity import first_damage, first_non_finite, seal
 from lab2_trainer.config import UsageError
+from lab2_trainer.run_folder import atomic_write
 
 FORMAT = "lab2-trainer-checkpoint"
 VERSION = 2

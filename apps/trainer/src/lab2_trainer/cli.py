@@ -212,7 +212,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.out = out or os.path.join("runs", f"{preset or 'tiny'}-{stamp}")
         existing = Path(settings.out) / CHECKPOINT_NAME
         if existing.exists():
-            from lab2_trainer.run_claim import in_use_message, live_claim
+            from lab2_trainer.run_folder import in_use_message, live_claim
 
             owner = live_claim(settings.out)
             if owner is not None:
@@ -379,7 +379,7 @@ def _claim_out(settings):
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
-    from lab2_trainer.run_claim import (
+    from lab2_trainer.run_folder import (
         LOCK_NAME,
         claim_folder,
         clean_stale_temporaries,
@@ -417,8 +417,8 @@ def _claim_out(settings):
 def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
-    from lab2_trainer.atomic_files import atomic_write_text
     from lab2_trainer.config import to_toml
+    from lab2_trainer.run_folder import atomic_write_text
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 

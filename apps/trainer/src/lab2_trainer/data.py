@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lab2_trainer.atomic_files import atomic_write
 from lab2_trainer.config import UsageError
+from lab2_trainer.run_folder import atomic_write
 
 VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
 TOKEN_ARRAY_SUFFIXES = (".npy", ".bin")

@@ -174,7 +174,7 @@ def draw(rows: list[dict[str, Any]], path: str, title: str, gpu_memory_gib: floa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab2_trainer.atomic_files import atomic_write
+    from lab2_trainer.run_folder import atomic_write
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for sharding in SHARDING_KINDS:

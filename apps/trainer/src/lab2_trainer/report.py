@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from lab2_trainer.atomic_files import atomic_write, atomic_write_text
+from lab2_trainer.run_folder import atomic_write, atomic_write_text
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"

@@ -194,7 +194,7 @@ def sweep_stale_watch_folders(root: str | None = None) -> list[str]:
 
 def make_watch_folder() -> str:
     """A new watch folder naming this process as its owner (stale ones swept first)."""
-    from lab2_trainer.atomic_files import atomic_write_text
+    from lab2_trainer.run_folder import atomic_write_text
 
     sweep_stale_watch_folders()
     folder = tempfile.mkdtemp(prefix=WATCH_PREFIX)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.atomic_files import atomic_write_text
 from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.checkpoint import (
     CHECKPOINT_NAME,
@@ -55,6 +54,7 @@ from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
+from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.schedule import WarmupCosine, set_lr
 
 # Offset between the training and validation samplers' seeds.
