@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab2_trainer import checkpoint_integrity as integrity
+from lab2_trainer import checkpoint as integrity
 from lab2_trainer.checkpoint import load_checkpoint
 from lab2_trainer.cli import main
 from lab2_trainer.config import UsageError

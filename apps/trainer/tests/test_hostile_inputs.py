@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from lab2_testing.procs import children, running, wait_for
-from lab2_trainer import checkpoint_integrity as integrity
+from lab2_trainer import checkpoint as integrity
 from lab2_trainer.cli import main
 
 torch.set_num_threads(1)
