@@ -105,7 +105,7 @@ def recompute_flops_per_token(config: ModelConfig, activation_checkpointing: str
     """Forward FLOPs per token that activation checkpointing runs again in backward: the
     recomputed blocks' matrix products and attention products (none for "none" and for
     the op-level "selective" policy, which recomputes only elementwise work)."""
-    from lab2_trainer.checkpointing import recomputed_blocks
+    from lab2_trainer.model import recomputed_blocks
 
     blocks = recomputed_blocks(activation_checkpointing, config.n_layers)
     per_block = 2 * block_matmul_parameters(config) + 4 * config.d_model * config.context_length

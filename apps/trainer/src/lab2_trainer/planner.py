@@ -358,7 +358,7 @@ def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
 def flops_per_token(config: ModelConfig, checkpointing: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per token of a training step: ``6 N + 12 L d T``
     (``lab2_trainer.mfu``), and that plus the recomputed forwards. The blocks the
-    recompute covers follow ``lab2_trainer.checkpointing``: all for full, none for the
+    recompute covers follow ``lab2_trainer.model``: all for full, none for the
     op-level selective policy (this function assumes torch has it)."""
     counts = parameter_counts(config)
     model = 6 * counts["matmul"] + 12 * config.n_layers * config.d_model * config.context_length

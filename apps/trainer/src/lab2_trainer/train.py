@@ -419,7 +419,7 @@ class Trainer:
                 f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
 
     def _checkpointing_label(self) -> str:
-        from lab2_trainer.checkpointing import selective_kind
+        from lab2_trainer.model import selective_kind
 
         kind = self.s.activation_checkpointing
         if kind == "selective":
