@@ -14,7 +14,7 @@ same as one process on the whole batch.
 Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
 fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
 and the next batch is drawn and copied asynchronously while the current step runs
-(:mod:`lab2_trainer.prefetch`). Per-step records are written at those fetches; their
+(:mod:`lab2_trainer.data`). Per-step records are written at those fetches; their
 ``step_seconds`` is the mean of the steps since the previous fetch.
 """
 
@@ -40,7 +40,13 @@ from lab2_trainer.checkpoint import (
     set_rng_state,
 )
 from lab2_trainer.config import PRECISIONS, TrainSettings, UsageError
-from lab2_trainer.data import BatchSampler, check_batch_layout, load_corpus, unigram_entropy
+from lab2_trainer.data import (
+    BatchSampler,
+    Prefetcher,
+    check_batch_layout,
+    load_corpus,
+    unigram_entropy,
+)
 from lab2_trainer.distributed import DistContext
 from lab2_trainer.mfu import (
     device_label,
@@ -52,7 +58,6 @@ from lab2_trainer.mfu import (
 )
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import fused_adamw_available, parallelize
-from lab2_trainer.prefetch import Prefetcher
 from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.schedule import WarmupCosine, set_lr
