@@ -14,9 +14,9 @@ import torch
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.distributed import DistContext
-from lab2_trainer.mfu import block_matmul_parameters, recompute_flops_per_token
 from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
 from lab2_trainer.planner import flops_per_token
+from lab2_trainer.report import block_matmul_parameters, recompute_flops_per_token
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def test_checkpointing_on_ranks_matches_one_process_without_it(world_size, corpu
 
 
 def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
-    from lab2_trainer.mfu import Peak
+    from lab2_trainer.report import Peak
 
     s = tiny_settings(corpus_dir, tmp_path, steps=1, activation_checkpointing="full")
     trainer = Trainer(s.validate(1), DistContext())

@@ -54,7 +54,7 @@ def test_parameter_counts_are_the_models(kw):
     model = TransformerLM(c)
     counts = parameter_counts(c)
     assert counts["total"] == model.num_parameters()
-    from lab2_trainer.mfu import matmul_parameters
+    from lab2_trainer.report import matmul_parameters
 
     assert counts["matmul"] == matmul_parameters(model)
 

@@ -31,7 +31,7 @@ produces the gradients, so the larger of the two counts. Where the gradients per
 (``grad_accum`` > 1), both count.
 
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
-:func:`lab2_trainer.mfu.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
+:func:`lab2_trainer.report.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
 recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
 (53%: xl, 32 x 512, compiled, on an H200); and the communication of the sharding kind,
 from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
@@ -196,7 +196,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """The model's parameters by kind, as :class:`lab2_trainer.model.TransformerLM` builds
     them: ``block`` (one block's), ``blocks``, ``embeddings`` (token and position tables),
     ``head`` (the LM head, 0 when tied), ``norms`` (the final norm) and ``total``;
-    ``matmul`` is what takes part in matrix products (``lab2_trainer.mfu``'s N)."""
+    ``matmul`` is what takes part in matrix products (``lab2_trainer.report``'s N)."""
     d, f = config.d_model, config.d_ff
     norm = 2 * d if config.norm == "layernorm" else d  # LayerNorm has a bias
     ffn = (3 if config.ffn == "swiglu" else 2) * d * f
@@ -205,7 +205,7 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
     embeddings = (config.vocab_size + config.context_length) * d
     head = 0 if config.tie_embeddings else config.vocab_size * d
     total = config.n_layers * block + embeddings + head + norm
-    # lab2_trainer.mfu.matmul_parameters's N: all but the position table, and the token
+    # lab2_trainer.report.matmul_parameters's N: all but the position table, and the token
     # table unless it is the head.
     matmul = total - config.context_length * d - (0 if config.tie_embeddings
                                                   else config.vocab_size * d)
@@ -357,7 +357,7 @@ def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
 # -------------------------------------------------------------------------- step time
 def flops_per_token(config: ModelConfig, checkpointing: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per token of a training step: ``6 N + 12 L d T``
-    (``lab2_trainer.mfu``), and that plus the recomputed forwards. The blocks the
+    (``lab2_trainer.report``), and that plus the recomputed forwards. The blocks the
     recompute covers follow ``lab2_trainer.model``: all for full, none for the
     op-level selective policy (this function assumes torch has it)."""
     counts = parameter_counts(config)

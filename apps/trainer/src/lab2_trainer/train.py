@@ -48,17 +48,20 @@ from lab2_trainer.data import (
     unigram_entropy,
 )
 from lab2_trainer.distributed import DistContext
-from lab2_trainer.mfu import (
+from lab2_trainer.model import TransformerLM
+from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.report import (
+    SAMPLE_NAME,
+    RunReporter,
+    bytes_as_text,
     device_label,
     device_peak,
     matmul_parameters,
     mfu,
+    provenance,
     recompute_flops_per_token,
     training_flops_per_token,
 )
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import fused_adamw_available, parallelize
-from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
 from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.schedule import WarmupCosine, set_lr
 
