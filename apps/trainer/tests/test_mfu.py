@@ -9,7 +9,7 @@ import torch
 
 from lab2_trainer import train as train_module
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.distributed import DistContext
+from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.report import (
     Peak,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.distributed import DistContext
+from lab2_trainer.launch import DistContext
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

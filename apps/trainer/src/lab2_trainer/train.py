@@ -47,7 +47,7 @@ from lab2_trainer.data import (
     load_corpus,
     unigram_entropy,
 )
-from lab2_trainer.distributed import DistContext
+from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.report import (
