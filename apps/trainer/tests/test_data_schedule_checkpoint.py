@@ -23,7 +23,7 @@ from lab2_trainer.data import (
     load_corpus,
     unigram_entropy,
 )
-from lab2_trainer.schedule import WarmupCosine
+from lab2_trainer.train import WarmupCosine
 
 
 def write_text_tree(root: Path, n_files: int = 40) -> None:

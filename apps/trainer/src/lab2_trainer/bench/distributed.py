@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import SHARDINGS
 from lab2_trainer.bench.steps import LR, make_optimizer
 from lab2_trainer.bench.workload import (
@@ -46,6 +45,7 @@ from lab2_trainer.bench.workload import (
 )
 from lab2_trainer.config import TrainSettings
 from lab2_trainer.parallel import GradSync, fused_adamw_available
+from lab2_trainer.train import backward_thread as backward_on
 
 #: The points of a step, in order; durations are measured from the step's start.
 POINTS = ("forward", "backward", "sync", "optimizer")
