@@ -30,7 +30,7 @@ import torch._dynamo
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, PRESETS, model_config
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import build_optimizer
-from lab2_trainer.planner import GIB, Hardware, PlanInput, plan
+from lab2_trainer.plan import GIB, Hardware, PlanInput, plan
 from lab2_trainer.report import device_label, device_peak
 from lab2bench.records import atomic_write_text
 

@@ -15,7 +15,7 @@ from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
-from lab2_trainer.planner import flops_per_token
+from lab2_trainer.plan import flops_per_token
 from lab2_trainer.report import block_matmul_parameters, recompute_flops_per_token
 from lab2_trainer.train import Trainer
 

@@ -19,7 +19,7 @@ from lab2_testing.dist import run_ranks
 from lab2_trainer.cli import main
 from lab2_trainer.config import ModelConfig, model_config
 from lab2_trainer.model import TransformerLM
-from lab2_trainer.planner import (
+from lab2_trainer.plan import (
     GIB,
     Hardware,
     PlanInput,

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
     if argv[:1] == ["plan"]:
-        from lab2_trainer.plan_cli import main as plan_main
+        from lab2_trainer.plan import main as plan_main
 
         return plan_main(argv[1:])
     try:
