@@ -4,10 +4,10 @@
   that cannot work" (options, data, checkpoint); reported as one line on stderr, exit
   code 2.
 * The setting machinery. Each field of :class:`ModelConfig` and of :class:`TrainSettings`
-  is one setting: its default, its choices and its check live in the field
-  (:func:`setting`), its help text is the string literal right after it (read by
-  :func:`field_docs` without importing anything), and ``lab2-train``'s flags are built
-  from them.
+  is one setting: its default and its choices live in the field (:func:`setting`), its
+  help text is the string literal right after it (read by :func:`field_docs` without
+  importing anything), and ``lab2-train``'s flags are built from them. Each class's
+  ``check`` method checks every field's range in plain Python, in field order.
 * Model configuration: :class:`ModelConfig`, the course handout's size presets
   (:data:`PRESETS`) and validation. ``model_config("small", n_layers=2)`` is the usual way
   to get one: a preset's fields with any of them overridden, checked before it is returned.
@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -52,38 +53,21 @@ INT_LIMIT = 2**63
 #: ``datetime.timedelta`` and the process group's millisecond timeouts hold.
 MAX_SECONDS = 365 * 86400.0
 
-#: What a field's ``check`` may say, and the sentence a bad value gets.
-CHECKS = {
-    "positive_int": "must be a positive integer",
-    "int>=1": "must be >= 1",
-    "int>=0": "must be >= 0",
-    "seed": "must be in [0, 2**63)",
-    "finite": "must be a finite number",
-    "finite>0": "must be > 0",
-    "seconds": f"must be > 0 and at most {MAX_SECONDS:,.0f} (a year)",
-    "finite>=0": "must be >= 0",
-    "[0,1)": "must be in [0, 1)",
-    # tritonnorm's own range (tritonnorm.limits imports no torch).
-    "eps": f"must be {EPS_RANGE}",
-}
-
 
 def setting(default: Any = None, *, choices: tuple[str, ...] | None = None,
-            check: str | None = None, group: str | None = None, **cli: Any) -> Any:
-    """A dataclass field that is also a command-line setting.
+            group: str | None = None, **cli: Any) -> Any:
+    """A dataclass field that is also a command-line setting (its range is checked by its
+    class's ``check``).
 
     Args:
         default: the default value.
-        choices: the allowed values of a string setting.
-        check: a key of :data:`CHECKS`: the range of a number.
+        choices: the allowed values of a string setting (the flag's choices).
         group: the ``--help`` section of its flag.
         **cli: how the flag is shown or parsed: ``default_text`` (the default as help
             prints it, for defaults resolved later), ``metavar``, ``nargs`` and
             ``const``; ``flag=False`` for a field with no flag.
     """
-    if check is not None and check not in CHECKS:
-        raise ValueError(f"unknown check {check!r}")
-    meta = {"choices": choices, "check": check, "group": group, **cli}
+    meta = {"choices": choices, "group": group, **cli}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -91,37 +75,36 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_value(label: str, value: Any, meta: Any) -> None:
-    """Check one setting against its field's ``choices`` and ``check``.
-
-    Raises:
-        ValueError: ``"<label> must be ..., got <value>"``.
-    """
-    choices, check = meta.get("choices"), meta.get("check")
-    if choices is not None and value not in choices:
+def _one_of(label: str, value: Any, choices: Any) -> None:
+    if value not in choices:
         raise ValueError(f"{label} must be one of {', '.join(choices)}; got {value!r}")
-    if check is None or value is None:
+
+
+def _integer(label: str, value: Any, low: int, *, what: str = "an integer",
+             below: str | None = None, above: str = "< 2**63") -> None:
+    """``value`` is None or an integer in [``low``, 2**63); else ``ValueError`` saying
+    ``"<label> must be <what>"`` (not an integer), ``<below>`` (default ``>= <low>``) or
+    ``<above>``."""
+    if value is None:
         return
-    if check in ("positive_int", "int>=1", "int>=0", "seed"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            what = "a positive integer" if check == "positive_int" else "an integer"
-            raise ValueError(f"{label} must be {what}, got {value!r}")
-        low = 0 if check == "int>=0" or check == "seed" else 1
-        if value < low or (check == "seed" and value >= INT_LIMIT):
-            raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
-        if value >= INT_LIMIT:  # before any arithmetic: torch sizes and counters are int64
-            raise ValueError(f"{label} must be < 2**63, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label} must be {what}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{label} must be {below or f'>= {low}'}, got {value!r}")
+    if value >= INT_LIMIT:  # before any arithmetic: torch sizes and counters are int64
+        raise ValueError(f"{label} must be {above}, got {value!r}")
+
+
+def _number(label: str, value: Any, ok: Callable[[float], bool] = lambda v: True,
+            must: str = "") -> None:
+    """``value`` is None or a finite number for which ``ok`` holds; else ``ValueError``
+    saying ``"<label> must be a finite number"`` or ``"<label> must be <must>"``."""
+    if value is None:
         return
-    finite = _is_number(value) and math.isfinite(value)
-    if check == "eps":
-        ok = _is_number(value) and eps_in_range(value)
-    elif not finite:
+    if not (_is_number(value) and math.isfinite(value)):
         raise ValueError(f"{label} must be a finite number, got {value!r}")
-    else:
-        ok = {"finite": True, "finite>0": value > 0, "finite>=0": value >= 0,
-              "[0,1)": 0 <= value < 1, "seconds": 0 < value <= MAX_SECONDS}[check]
-    if not ok:
-        raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{label} must be {must}, got {value!r}")
 
 
 @cache
@@ -144,13 +127,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def check_fields(obj: Any, label=lambda name: name) -> None:
-    """Run :func:`check_value` on every field of the dataclass ``obj``, in order."""
-    for f in dataclasses.fields(obj):
-        if f.metadata:
-            check_value(label(f.name), getattr(obj, f.name), f.metadata)
-
-
 @dataclass
 class ModelConfig:
     """Shape of a decoder-only Transformer language model.
@@ -158,35 +134,48 @@ class ModelConfig:
     Every field has a default so that ``ModelConfig()`` is a valid (tiny) model.
     """
 
-    vocab_size: int = setting(256, check="positive_int", group="data")
+    vocab_size: int = setting(256, group="data")
     """Number of token ids: 256 for bytes (text), or the vocabulary of a token-array --data."""
-    context_length: int = setting(128, check="positive_int", group="model")
+    context_length: int = setting(128, group="model")
     """Longest sequence the model takes (size of the learned position table)."""
-    d_model: int = setting(128, check="positive_int", group="model")
+    d_model: int = setting(128, group="model")
     """Width of the residual stream."""
-    n_layers: int = setting(4, check="positive_int", group="model")
+    n_layers: int = setting(4, group="model")
     """Number of decoder blocks."""
-    n_heads: int = setting(4, check="positive_int", group="model")
+    n_heads: int = setting(4, group="model")
     """Attention heads per block; must divide ``d_model``."""
-    d_ff: int = setting(512, check="positive_int", group="model")
+    d_ff: int = setting(512, group="model")
     """Hidden width of the feed-forward layer."""
     norm: str = setting("tritonnorm", choices=NORM_KINDS, group="model")
     """Norm layer: "tritonnorm" (fused RMSNorm), "reference" (RMSNorm with a hand-derived
     backward in plain PyTorch), "torch" (``torch.nn.RMSNorm``) or "layernorm"."""
-    eps: float = setting(1e-5, check="eps", group="model")
+    eps: float = setting(1e-5, group="model")
     """Epsilon inside the norm's square root."""
     tie_embeddings: bool = setting(False, group="model")
     """Share the token embedding matrix with the output (LM head) projection."""
     ffn: str = setting("swiglu", choices=FFN_KINDS, group="model")
     """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
 
+    def check(self) -> None:
+        """Each field in its range, in field order; ``ValueError`` with one line naming
+        the first bad one."""
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+            _integer(name, getattr(self, name), 1, what="a positive integer",
+                     below="a positive integer")
+        _one_of("norm", self.norm, NORM_KINDS)
+        # tritonnorm's own range (tritonnorm.limits imports no torch).
+        if self.eps is not None and not (_is_number(self.eps) and eps_in_range(self.eps)):
+            raise ValueError(f"eps must be {EPS_RANGE}, got {self.eps!r}")
+        _one_of("ffn", self.ffn, FFN_KINDS)
+
     def validate(self) -> ModelConfig:
-        """Check every field; raise ``ValueError`` with one line naming the bad one.
+        """Check every field (:meth:`check`) and that the heads divide the width; raise
+        ``ValueError`` with one line naming the bad one.
 
         Returns:
             ``self``, so that ``ModelConfig(...).validate()`` chains.
         """
-        check_fields(self)
+        self.check()
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
@@ -260,6 +249,8 @@ PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 BACKWARD_THREADS = ("caller", "autograd")
 #: What the backward recomputes (``TrainSettings.activation_checkpointing``).
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+#: The device types the ranks run on (``TrainSettings.device_type``).
+DEVICE_TYPES = ("cpu", "cuda")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
@@ -278,28 +269,28 @@ class TrainSettings:
     data: str | None = setting(None, group="data", default_text="this Python's "
                                "standard-library sources")
     """Text file, folder, or .npy/.bin token array."""
-    vocab_size: int | None = setting(None, check="int>=1", flag=False)
+    vocab_size: int | None = setting(None, flag=False)
     """Vocabulary of a token-array corpus (None: bytes); ``--vocab-size`` sets it and the
     model's."""
-    steps: int = setting(200, check="int>=1", group="optimisation")
+    steps: int = setting(200, group="optimisation")
     """Optimizer steps in the whole run (the schedule's length)."""
-    batch_size: int = setting(32, check="int>=1", group="optimisation")
+    batch_size: int = setting(32, group="optimisation")
     """Global batch in sequences, over all ranks and micro-batches."""
-    grad_accum: int = setting(1, check="int>=1", group="optimisation")
+    grad_accum: int = setting(1, group="optimisation")
     """Micro-batches per step on each rank."""
-    lr: float = setting(3e-3, check="finite>0", group="optimisation")
+    lr: float = setting(3e-3, group="optimisation")
     """Peak learning rate."""
-    min_lr: float = setting(3e-4, check="finite", group="optimisation")
+    min_lr: float = setting(3e-4, group="optimisation")
     """Final learning rate, in [0, lr]."""
-    warmup: int = setting(20, check="int>=0", group="optimisation")
+    warmup: int = setting(20, group="optimisation")
     """Linear warm-up steps."""
-    weight_decay: float = setting(0.1, check="finite>=0", group="optimisation")
+    weight_decay: float = setting(0.1, group="optimisation")
     """AdamW decoupled weight decay (matrices only; not norms)."""
-    beta1: float = setting(0.9, check="[0,1)", group="optimisation")
+    beta1: float = setting(0.9, group="optimisation")
     """AdamW's first-moment decay."""
-    beta2: float = setting(0.95, check="[0,1)", group="optimisation")
+    beta2: float = setting(0.95, group="optimisation")
     """AdamW's second-moment decay."""
-    clip: float = setting(1.0, check="finite>=0", group="optimisation")
+    clip: float = setting(1.0, group="optimisation")
     """Gradient-norm clip (0 turns it off)."""
     precision: str = setting("fp32", choices=tuple(PRECISIONS), group="optimisation")
     """Autocast precision of the forward pass."""
@@ -320,9 +311,9 @@ class TrainSettings:
     block's forward (least memory, a third more FLOPs), "selective" keeps the matrix
     products' and attention's outputs and recomputes the norms and the elementwise rest;
     the losses are the same."""
-    seed: int = setting(0, check="seed", group="optimisation")
+    seed: int = setting(0, group="optimisation")
     """Seed of the weights, the data order and the samples."""
-    nproc: int | None = setting(None, check="int>=1", group="parallelism",
+    nproc: int | None = setting(None, group="parallelism",
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
     ddp: str | None = setting(None, choices=DDP_KINDS, group="parallelism",
@@ -331,7 +322,7 @@ class TrainSettings:
     """Gradient averaging wrapper: minddp's bucketed, individual, flat or naive; PyTorch's
     DistributedDataParallel (torch); none (one rank, or a sharding that averages
     gradients itself). Only --sharding none, zero1-allreduce and torch take one."""
-    bucket_mb: float = setting(25.0, check="finite>0", group="parallelism")
+    bucket_mb: float = setting(25.0, group="parallelism")
     """Bucket size in MiB: DDP's (bucketed and torch) and zero1/zero2's gradient buckets."""
     bucket_rule: str = setting("reach", choices=BUCKET_RULES, group="parallelism")
     """How bucket_mb cuts minddp's and zero1/zero2's buckets: "reach" closes a bucket once it holds
@@ -352,7 +343,7 @@ class TrainSettings:
     all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
     device: str = setting("auto", group="parallelism")
     """auto, cpu or cuda."""
-    timeout: float = setting(300.0, check="seconds", group="parallelism", metavar="SECONDS")
+    timeout: float = setting(300.0, group="parallelism", metavar="SECONDS")
     """How long a collective waits for the other ranks, and how long a rank may go silent,
     before the run fails naming it."""
     out: str = setting("runs/latest", group="outputs", default_text="runs/<preset>-<time>")
@@ -361,21 +352,21 @@ class TrainSettings:
                                  default_text="no")
     """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
     runs/), with every setting of its run unless a flag gives it."""
-    ckpt_every: int = setting(0, check="int>=0", group="outputs", default_text="at the end")
+    ckpt_every: int = setting(0, group="outputs", default_text="at the end")
     """Checkpoint every N steps."""
-    eval_every: int = setting(50, check="int>=0", group="outputs")
+    eval_every: int = setting(50, group="outputs")
     """Validate every N steps (0: only at the end)."""
-    eval_batches: int = setting(8, check="int>=1", group="outputs")
+    eval_batches: int = setting(8, group="outputs")
     """Validation batches (of batch_size sequences) per evaluation."""
-    log_every: int = setting(25, check="int>=1", group="outputs")
+    log_every: int = setting(25, group="outputs")
     """Log line every N steps when the console is not a terminal."""
-    sample_tokens: int = setting(300, check="int>=0", group="outputs")
+    sample_tokens: int = setting(300, group="outputs")
     """Length of the text sample generated at the end (0: none)."""
     quiet: bool = setting(False, group="outputs")
     """No progress bar nor per-step console output (files are still written)."""
     plot: bool = setting(True, group="outputs")
     """Draw loss_curve.png at the end."""
-    device_type: str = setting("cpu", choices=("cpu", "cuda"), flag=False)
+    device_type: str = setting("cpu", choices=DEVICE_TYPES, flag=False)
     """The device the ranks run on, resolved from ``device``."""
 
     def resolve(self, world_size: int | None = None, device_type: str | None = None
@@ -392,8 +383,7 @@ class TrainSettings:
         """
         if device_type is not None:
             self.device_type = device_type
-        nproc_meta = next(f.metadata for f in dataclasses.fields(self) if f.name == "nproc")
-        check_value(flag("nproc"), self.nproc, nproc_meta)
+        _integer(flag("nproc"), self.nproc, 1)
         if world_size is None:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
         self.nproc = world_size
@@ -408,13 +398,45 @@ class TrainSettings:
                         else "none")
         return self
 
+    def check(self) -> None:
+        """Each setting in its range, in field order; ``ValueError`` with one line naming
+        the first bad one by its flag."""
+        _integer(flag("vocab_size"), self.vocab_size, 1)
+        for name in ("steps", "batch_size", "grad_accum"):
+            _integer(flag(name), getattr(self, name), 1)
+        _number(flag("lr"), self.lr, lambda v: v > 0, "> 0")
+        _number(flag("min_lr"), self.min_lr)
+        _integer(flag("warmup"), self.warmup, 0)
+        _number(flag("weight_decay"), self.weight_decay, lambda v: v >= 0, ">= 0")
+        for name in ("beta1", "beta2"):
+            _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
+        _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
+        _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        _one_of(flag("backward_thread"), self.backward_thread, BACKWARD_THREADS)
+        _one_of(flag("activation_checkpointing"), self.activation_checkpointing,
+                ACTIVATION_CHECKPOINTING)
+        _integer(flag("seed"), self.seed, 0, below="in [0, 2**63)", above="in [0, 2**63)")
+        _integer(flag("nproc"), self.nproc, 1)
+        _one_of(flag("ddp"), self.ddp, DDP_KINDS)
+        _number(flag("bucket_mb"), self.bucket_mb, lambda v: v > 0, "> 0")
+        _one_of(flag("bucket_rule"), self.bucket_rule, BUCKET_RULES)
+        _one_of(flag("sharding"), self.sharding, SHARDING_KINDS)
+        _number(flag("timeout"), self.timeout, lambda v: 0 < v <= MAX_SECONDS,
+                f"> 0 and at most {MAX_SECONDS:,.0f} (a year)")
+        for name in ("ckpt_every", "eval_every"):
+            _integer(flag(name), getattr(self, name), 0)
+        _integer(flag("eval_batches"), self.eval_batches, 1)
+        _integer(flag("log_every"), self.log_every, 1)
+        _integer(flag("sample_tokens"), self.sample_tokens, 0)
+        _one_of(flag("device_type"), self.device_type, DEVICE_TYPES)
+
     def validate(self, world_size: int) -> TrainSettings:
         """Check the settings for ``world_size`` ranks (resolving what is still unset);
         ``ValueError`` with one line naming the first bad setting."""
         self.model.validate()
         if self.ddp is None or self.sharding is None or self.nproc is None:
             self.resolve(world_size)
-        check_fields(self, flag)
+        self.check()
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
         if self.sharding in SELF_REDUCING and self.ddp != "none":
