@@ -3,7 +3,7 @@
 Builds the trainer's model, compiles it, wraps it as the trainer does (``GradSync``,
 ``build_optimizer``, through the bench suites' ``make_variant``), times training steps
 with CUDA events and prints tokens/s and MFU
-(``lab2_trainer.mfu``: 6·N + attention FLOPs per token over the GPU's dense bf16 peak).
+(``lab2_trainer.report``: 6·N + attention FLOPs per token over the GPU's dense bf16 peak).
 ``--profile`` adds the device time per step by kernel family (matrix products,
 attention, the norm, AdamW, NCCL, the rest), the way to see what is left to win.
 
@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from lab2_trainer.bench.distributed import make_sharded_variant, make_variant, step_marks
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
-from lab2_trainer.mfu import (
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS
+from lab2_trainer.report import (
     device_label,
     device_peak,
     matmul_parameters,
@@ -40,7 +41,6 @@ from lab2_trainer.mfu import (
     recompute_flops_per_token,
     training_flops_per_token,
 )
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS
 
 STACKS = {  # norm, ddp kind, sharding (the trainer's --ddp and --sharding)
     "ours": ("tritonnorm", "none", "zero1"),

@@ -48,7 +48,7 @@ from lab2_trainer.bench.distributed import (
     step_marks,
 )
 from lab2_trainer.bench.workload import build_config, build_model, random_batch
-from lab2_trainer.settings import (
+from lab2_trainer.config import (
     BACKWARD_THREADS,
     BUCKET_RULES,
     SELF_REDUCING,

@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 import torch._dynamo
 
-from lab2_trainer.config import PRESETS, model_config
-from lab2_trainer.mfu import device_label, device_peak
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, PRESETS, model_config
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import build_optimizer
-from lab2_trainer.planner import GIB, Hardware, PlanInput, plan
-from lab2_trainer.settings import ACTIVATION_CHECKPOINTING
+from lab2_trainer.plan import GIB, Hardware, PlanInput, plan
+from lab2_trainer.report import device_label, device_peak
 from lab2bench.records import atomic_write_text
 
 DEFAULT_CONFIGS = [

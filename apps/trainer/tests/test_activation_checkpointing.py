@@ -12,13 +12,11 @@ import pytest
 import torch
 
 from lab2_testing.dist import run_ranks
-from lab2_trainer.checkpointing import recomputed_blocks, selective_kind
-from lab2_trainer.config import ModelConfig
-from lab2_trainer.distributed import DistContext
-from lab2_trainer.mfu import block_matmul_parameters, recompute_flops_per_token
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.planner import flops_per_token
-from lab2_trainer.settings import TrainSettings
+from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.launch import DistContext
+from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
+from lab2_trainer.plan import flops_per_token
+from lab2_trainer.report import block_matmul_parameters, recompute_flops_per_token
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)
@@ -143,7 +141,7 @@ def test_checkpointing_on_ranks_matches_one_process_without_it(world_size, corpu
 
 
 def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
-    from lab2_trainer.mfu import Peak
+    from lab2_trainer.report import Peak
 
     s = tiny_settings(corpus_dir, tmp_path, steps=1, activation_checkpointing="full")
     trainer = Trainer(s.validate(1), DistContext())
@@ -157,7 +155,7 @@ def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
 
 
 def test_selective_falls_back_to_every_other_block_without_the_policy_api(monkeypatch):
-    import lab2_trainer.checkpointing as ac
+    import lab2_trainer.model as ac
 
     monkeypatch.setattr(ac, "has_op_policy", lambda: False)
     monkeypatch.setattr(ac, "_warned", False)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from lab2_trainer import checkpoint_integrity as integrity
+from lab2_trainer import checkpoint as integrity
 from lab2_trainer.checkpoint import load_checkpoint
 from lab2_trainer.cli import main
-from lab2_trainer.errors import UsageError
-from lab2_trainer.run_claim import LOCK_NAME, claim_folder, clean_stale_temporaries
+from lab2_trainer.config import UsageError
+from lab2_trainer.run_folder import LOCK_NAME, claim_folder, clean_stale_temporaries
 
 torch.set_num_threads(1)
 

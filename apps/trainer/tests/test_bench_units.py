@@ -82,7 +82,7 @@ def test_variant_tables_cover_every_option():
     """The variants the options accept (``bench.arguments``, no torch) are the ones the
     suites know how to build."""
     from lab2_trainer.bench import arguments, ddp
-    from lab2_trainer.settings import SHARDING_KINDS
+    from lab2_trainer.config import SHARDING_KINDS
 
     assert set(ddp.DDP_KIND) == set(arguments.DDP_VARIANTS)
     assert set(arguments.ZERO_VARIANTS) == set(arguments.SHARDINGS)
@@ -93,7 +93,7 @@ def test_suites_step_the_trainers_adamw():
     """``make_optimizer`` is the trainer's ``build_optimizer``: matrices decay, vectors do
     not, eps 1e-8, the trainer's betas; lr 1e-4."""
     from lab2_trainer.bench.steps import LR, make_optimizer
-    from lab2_trainer.settings import TrainSettings
+    from lab2_trainer.config import TrainSettings
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     opt = make_optimizer(model)

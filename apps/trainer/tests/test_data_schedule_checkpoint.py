@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from lab2_trainer import checkpoint as ckpt_mod
 from lab2_trainer.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
+from lab2_trainer.config import UsageError
 from lab2_trainer.data import (
     BatchSampler,
     DataError,
@@ -22,8 +23,7 @@ from lab2_trainer.data import (
     load_corpus,
     unigram_entropy,
 )
-from lab2_trainer.errors import UsageError
-from lab2_trainer.schedule import WarmupCosine
+from lab2_trainer.train import WarmupCosine
 
 
 def write_text_tree(root: Path, n_files: int = 40) -> None:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from lab2_testing.procs import children, running, wait_for
-from lab2_trainer import checkpoint_integrity as integrity
+from lab2_trainer import checkpoint as integrity
 from lab2_trainer.cli import main
 
 torch.set_num_threads(1)
@@ -252,7 +252,7 @@ def test_8_bad_checkpoint_content_is_refused_in_the_launcher(capsys, monkeypatch
 # ------------------------------------------------------------- 9. an unreadable claim
 def test_9_an_unreadable_claim_is_taken_over_with_a_note(capsys, monkeypatch, corpus_dir,
                                                          tmp_path):
-    from lab2_trainer.run_claim import LOCK_NAME
+    from lab2_trainer.run_folder import LOCK_NAME
 
     old = time.time() - 3600
     for content, name in ((b"\x00garbage{", "garbage"), (b"", "empty")):
@@ -298,7 +298,7 @@ def test_10_a_resume_keeps_every_setting_of_its_run(finished, tmp_path):
 
 def test_10_the_rank_layout_is_kept_or_resolved_afresh_as_a_whole():
     from lab2_trainer.cli import resumed_settings
-    from lab2_trainer.settings import TrainSettings
+    from lab2_trainer.config import TrainSettings
 
     saved = TrainSettings(nproc=2, ddp="bucketed", sharding="zero1-allreduce", eval_every=7,
                           device_type="cpu")
@@ -339,7 +339,7 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         pytest.skip("the scenario is two ranks")
     import socket
 
-    from lab2_trainer.supervise import OWNER_NAME
+    from lab2_trainer.launch import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

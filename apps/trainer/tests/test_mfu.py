@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from lab2_trainer import train as train_module
-from lab2_trainer.config import ModelConfig
-from lab2_trainer.distributed import DistContext
-from lab2_trainer.mfu import (
+from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.launch import DistContext
+from lab2_trainer.model import TransformerLM
+from lab2_trainer.report import (
     Peak,
     device_peak,
     matmul_parameters,
@@ -18,8 +19,6 @@ from lab2_trainer.mfu import (
     peak_for_name,
     training_flops_per_token,
 )
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.settings import TrainSettings
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from lab2_testing.dist import run_ranks
 from lab2_trainer.cli import main
 from lab2_trainer.config import ModelConfig, model_config
 from lab2_trainer.model import TransformerLM
-from lab2_trainer.planner import (
+from lab2_trainer.plan import (
     GIB,
     Hardware,
     PlanInput,
@@ -54,7 +54,7 @@ def test_parameter_counts_are_the_models(kw):
     model = TransformerLM(c)
     counts = parameter_counts(c)
     assert counts["total"] == model.num_parameters()
-    from lab2_trainer.mfu import matmul_parameters
+    from lab2_trainer.report import matmul_parameters
 
     assert counts["matmul"] == matmul_parameters(model)
 

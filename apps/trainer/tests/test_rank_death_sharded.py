@@ -53,7 +53,7 @@ def _dies_mid_reduce_scatter(ctx, stage: int) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_rank_killed_mid_reduce_scatter_is_named(capfd, stage):
-    from lab2_trainer.distributed import spawn_local
+    from lab2_trainer.launch import spawn_local
 
     start = time.monotonic()
     rc = spawn_local(2, "cpu", _dies_mid_reduce_scatter, stage, timeout_s=5)

@@ -182,7 +182,7 @@ def _stuck_or_killed(ctx, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["stuck", "killed", "terminated"])
 def test_the_launcher_names_a_stuck_or_killed_rank(capfd, how):
-    from lab2_trainer.distributed import spawn_local
+    from lab2_trainer.launch import spawn_local
 
     start = time.monotonic()
     rc = spawn_local(2, "cpu", _stuck_or_killed, how, timeout_s=3)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab2_trainer.cli import build_parser, main, setting_fields
-from lab2_trainer.config import ModelConfig, field_docs
-from lab2_trainer.settings import TrainSettings, flag, from_toml, to_toml
+from lab2_trainer.config import ModelConfig, TrainSettings, field_docs, flag, from_toml, to_toml
 
 SMALL = ["--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",
          "--no-plot", "--nproc", "1", "--device", "cpu"]

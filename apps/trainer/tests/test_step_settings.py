@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.cli import build_parser
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import UsageError
+from lab2_trainer.train import backward_thread
 
 
 def test_caller_turns_autograd_workers_off_for_this_thread_only():
@@ -54,9 +54,9 @@ def test_flag_takes_the_two_choices():
 
 
 def test_bucket_rules_are_minddps():
-    # settings.py takes minddp's rules; minddp's top level reads them without torch.
+    # config.py takes minddp's rules; minddp's top level reads them without torch.
     import minddp
-    from lab2_trainer.settings import BUCKET_RULES, TrainSettings
+    from lab2_trainer.config import BUCKET_RULES, TrainSettings
 
     assert BUCKET_RULES is minddp.BUCKET_RULES
     assert TrainSettings().bucket_rule == "reach"

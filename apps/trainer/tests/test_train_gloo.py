@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 from lab2_testing.dist import run_ranks
-from lab2_trainer.config import ModelConfig
-from lab2_trainer.distributed import DistContext
-from lab2_trainer.settings import TrainSettings
+from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.launch import DistContext
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

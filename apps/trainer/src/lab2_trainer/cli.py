@@ -18,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer import __version__
-from lab2_trainer.config import PRESETS, ModelConfig, field_docs, model_config
-from lab2_trainer.errors import UsageError
-from lab2_trainer.settings import TrainSettings, flag, from_toml
+from lab2_trainer.config import (
+    PRESETS,
+    ModelConfig,
+    TrainSettings,
+    UsageError,
+    field_docs,
+    flag,
+    from_toml,
+    model_config,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 SETTINGS_NAME = "settings.toml"
@@ -136,7 +143,7 @@ def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
 
 
 def _torchrun_world() -> int | None:
-    from lab2_trainer.distributed import launched_by_torchrun
+    from lab2_trainer.launch import launched_by_torchrun
 
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
 
@@ -205,7 +212,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.out = out or os.path.join("runs", f"{preset or 'tiny'}-{stamp}")
         existing = Path(settings.out) / CHECKPOINT_NAME
         if existing.exists():
-            from lab2_trainer.run_claim import in_use_message, live_claim
+            from lab2_trainer.run_folder import in_use_message, live_claim
 
             owner = live_claim(settings.out)
             if owner is not None:
@@ -261,8 +268,6 @@ def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Pa
     Raises:
         UsageError: a flag of :data:`FIXED_ON_RESUME` with another value than the run's.
     """
-    from lab2_trainer.settings import flag
-
     for name in FIXED_ON_RESUME:
         if name in explicit and explicit[name] != getattr(saved, name):
             raise UsageError(f"checkpoint {path} was trained with {flag(name)} "
@@ -294,7 +299,7 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
 
 
 def _device_type(requested: str) -> str:
-    from lab2_trainer.distributed import resolve_device_type
+    from lab2_trainer.launch import resolve_device_type
 
     return resolve_device_type(requested)
 
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
     if argv[:1] == ["plan"]:
-        from lab2_trainer.plan_cli import main as plan_main
+        from lab2_trainer.plan import main as plan_main
 
         return plan_main(argv[1:])
     try:
@@ -328,17 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
-    from lab2_trainer import distributed as D
-    from lab2_trainer import supervise
+    from lab2_trainer import launch
     from lab2_trainer.train import train
 
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
-    previous = supervise.install_termination_handler()
+    previous = launch.install_termination_handler()
     claim = None
     try:
         try:
             given = given_settings(args)
-            device_type = D.resolve_device_type(given[0].get("device", "auto"))
+            device_type = launch.resolve_device_type(given[0].get("device", "auto"))
             torchrun_world = _torchrun_world()
             under_torchrun = torchrun_world is not None
             settings, _ = resolve_settings(given, device_type, torchrun_world)
@@ -352,21 +356,21 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(exc))
         if under_torchrun:
             # The rank entry of a local run too (spawn_local): one launch path.
-            return D.run_rank(train, (settings,), device_type, timeout_s)
+            return launch.run_rank(train, (settings,), device_type, timeout_s)
         if world_size > 1:
             if device_type == "cpu":
                 _preload(settings)
-            return D.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
+            return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
         return _run_single(settings, device_type, timeout_s)
     except KeyboardInterrupt as exc:
-        code = supervise.exit_code_for(exc)
+        code = launch.exit_code_for(exc)
         print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; the last "
               "checkpoint is intact", file=sys.stderr, flush=True)
         return code
     finally:
         if claim is not None:
             claim.release()
-        supervise.restore_termination_handler(previous)
+        launch.restore_termination_handler(previous)
 
 
 def _claim_out(settings):
@@ -374,7 +378,7 @@ def _claim_out(settings):
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
-    from lab2_trainer.run_claim import (
+    from lab2_trainer.run_folder import (
         LOCK_NAME,
         claim_folder,
         clean_stale_temporaries,
@@ -412,8 +416,8 @@ def _claim_out(settings):
 def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
-    from lab2_trainer.atomic_files import atomic_write_text
-    from lab2_trainer.settings import to_toml
+    from lab2_trainer.config import to_toml
+    from lab2_trainer.run_folder import atomic_write_text
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 
@@ -438,26 +442,26 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     was asked for (they are collectives, even alone)."""
     import torch
 
-    from lab2_trainer import distributed as D
+    from lab2_trainer import launch
     from lab2_trainer.train import train
 
     need_group = settings.ddp != "none" or settings.sharding != "none"
-    device = D.rank_device(device_type, 0)
+    device = launch.rank_device(device_type, 0)
     try:
         if need_group:
             # An in-memory store: alone, there is no one to meet, and no rendezvous folder
             # to leave behind if this process is killed.
-            D.dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                      store=D.dist.HashStore(), rank=0, world_size=1,
-                                      timeout=timedelta(seconds=timeout_s or
-                                                        D.DEFAULT_TIMEOUT_S))
-        torch.set_num_threads(D.threads_per_rank(1))
-        train(D.DistContext(device=device), settings)
+            launch.dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                           store=launch.dist.HashStore(), rank=0, world_size=1,
+                                           timeout=timedelta(seconds=timeout_s or
+                                                             launch.DEFAULT_TIMEOUT_S))
+        torch.set_num_threads(launch.threads_per_rank(1))
+        train(launch.DistContext(device=device), settings)
     except UsageError as exc:
         return _error(str(exc))
     finally:
-        if need_group and D.dist.is_initialized():
-            D.dist.destroy_process_group()
+        if need_group and launch.dist.is_initialized():
+            launch.dist.destroy_process_group()
     return EXIT_OK
 
 

@@ -1,28 +1,49 @@
-"""Model configuration: one dataclass, the course handout's size presets, and validation.
+"""Settings of a run: the model's shape, every training setting, and the error for bad input.
 
-``model_config("small", n_layers=2)`` is the usual way to get one: a preset's fields with
-any of them overridden, checked before it is returned.
+* :class:`UsageError`: the one exception type that means "the user asked for something
+  that cannot work" (options, data, checkpoint); reported as one line on stderr, exit
+  code 2.
+* The setting machinery. Each field of :class:`ModelConfig` and of :class:`TrainSettings`
+  is one setting: its default and its choices live in the field (:func:`setting`), its
+  help text is the string literal right after it (read by :func:`field_docs` without
+  importing anything), and ``lab2-train``'s flags are built from them. Each class's
+  ``check`` method checks every field's range in plain Python, in field order.
+* Model configuration: :class:`ModelConfig`, the course handout's size presets
+  (:data:`PRESETS`) and validation. ``model_config("small", n_layers=2)`` is the usual way
+  to get one: a preset's fields with any of them overridden, checked before it is returned.
+* Training settings: every knob of a run in :class:`TrainSettings`, checked before any
+  rank starts. Defaults that depend on the device and the number of ranks (``nproc``,
+  ``ddp``, ``sharding``) are None until :meth:`TrainSettings.resolve` fills them.
+  :func:`to_toml` and :func:`from_toml` write and read the flat TOML (``settings.toml`` in
+  every run folder) that ``--config`` takes.
 
-Each field of :class:`ModelConfig` (and of :class:`lab2_trainer.settings.TrainSettings`)
-is one setting: its default, its choices and its check live in the field
-(:func:`setting`), its help text is the string literal right after it (read by
-:func:`field_docs` without importing anything), and ``lab2-train``'s flags are built from
-them.
+Nothing here imports torch: ``lab2-train --help`` and the bench suites' ``--help`` read
+these settings and must stay quick.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import math
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
+
+# ------------------------------------------------------------------------------- error
+class UsageError(Exception):
+    """Bad input (options, data, checkpoint): reported as one line on stderr, exit code 2."""
+
+
+# ------------------------------------------ settings machinery and model configuration
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
 FFN_KINDS = ("swiglu", "gelu")
 
@@ -32,38 +53,21 @@ INT_LIMIT = 2**63
 #: ``datetime.timedelta`` and the process group's millisecond timeouts hold.
 MAX_SECONDS = 365 * 86400.0
 
-#: What a field's ``check`` may say, and the sentence a bad value gets.
-CHECKS = {
-    "positive_int": "must be a positive integer",
-    "int>=1": "must be >= 1",
-    "int>=0": "must be >= 0",
-    "seed": "must be in [0, 2**63)",
-    "finite": "must be a finite number",
-    "finite>0": "must be > 0",
-    "seconds": f"must be > 0 and at most {MAX_SECONDS:,.0f} (a year)",
-    "finite>=0": "must be >= 0",
-    "[0,1)": "must be in [0, 1)",
-    # tritonnorm's own range (tritonnorm.limits imports no torch).
-    "eps": f"must be {EPS_RANGE}",
-}
-
 
 def setting(default: Any = None, *, choices: tuple[str, ...] | None = None,
-            check: str | None = None, group: str | None = None, **cli: Any) -> Any:
-    """A dataclass field that is also a command-line setting.
+            group: str | None = None, **cli: Any) -> Any:
+    """A dataclass field that is also a command-line setting (its range is checked by its
+    class's ``check``).
 
     Args:
         default: the default value.
-        choices: the allowed values of a string setting.
-        check: a key of :data:`CHECKS`: the range of a number.
+        choices: the allowed values of a string setting (the flag's choices).
         group: the ``--help`` section of its flag.
         **cli: how the flag is shown or parsed: ``default_text`` (the default as help
             prints it, for defaults resolved later), ``metavar``, ``nargs`` and
             ``const``; ``flag=False`` for a field with no flag.
     """
-    if check is not None and check not in CHECKS:
-        raise ValueError(f"unknown check {check!r}")
-    meta = {"choices": choices, "check": check, "group": group, **cli}
+    meta = {"choices": choices, "group": group, **cli}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -71,37 +75,36 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_value(label: str, value: Any, meta: Any) -> None:
-    """Check one setting against its field's ``choices`` and ``check``.
-
-    Raises:
-        ValueError: ``"<label> must be ..., got <value>"``.
-    """
-    choices, check = meta.get("choices"), meta.get("check")
-    if choices is not None and value not in choices:
+def _one_of(label: str, value: Any, choices: Any) -> None:
+    if value not in choices:
         raise ValueError(f"{label} must be one of {', '.join(choices)}; got {value!r}")
-    if check is None or value is None:
+
+
+def _integer(label: str, value: Any, low: int, *, what: str = "an integer",
+             below: str | None = None, above: str = "< 2**63") -> None:
+    """``value`` is None or an integer in [``low``, 2**63); else ``ValueError`` saying
+    ``"<label> must be <what>"`` (not an integer), ``<below>`` (default ``>= <low>``) or
+    ``<above>``."""
+    if value is None:
         return
-    if check in ("positive_int", "int>=1", "int>=0", "seed"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            what = "a positive integer" if check == "positive_int" else "an integer"
-            raise ValueError(f"{label} must be {what}, got {value!r}")
-        low = 0 if check == "int>=0" or check == "seed" else 1
-        if value < low or (check == "seed" and value >= INT_LIMIT):
-            raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
-        if value >= INT_LIMIT:  # before any arithmetic: torch sizes and counters are int64
-            raise ValueError(f"{label} must be < 2**63, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label} must be {what}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{label} must be {below or f'>= {low}'}, got {value!r}")
+    if value >= INT_LIMIT:  # before any arithmetic: torch sizes and counters are int64
+        raise ValueError(f"{label} must be {above}, got {value!r}")
+
+
+def _number(label: str, value: Any, ok: Callable[[float], bool] = lambda v: True,
+            must: str = "") -> None:
+    """``value`` is None or a finite number for which ``ok`` holds; else ``ValueError``
+    saying ``"<label> must be a finite number"`` or ``"<label> must be <must>"``."""
+    if value is None:
         return
-    finite = _is_number(value) and math.isfinite(value)
-    if check == "eps":
-        ok = _is_number(value) and eps_in_range(value)
-    elif not finite:
+    if not (_is_number(value) and math.isfinite(value)):
         raise ValueError(f"{label} must be a finite number, got {value!r}")
-    else:
-        ok = {"finite": True, "finite>0": value > 0, "finite>=0": value >= 0,
-              "[0,1)": 0 <= value < 1, "seconds": 0 < value <= MAX_SECONDS}[check]
-    if not ok:
-        raise ValueError(f"{label} {CHECKS[check]}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{label} must be {must}, got {value!r}")
 
 
 @cache
@@ -124,13 +127,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def check_fields(obj: Any, label=lambda name: name) -> None:
-    """Run :func:`check_value` on every field of the dataclass ``obj``, in order."""
-    for f in dataclasses.fields(obj):
-        if f.metadata:
-            check_value(label(f.name), getattr(obj, f.name), f.metadata)
-
-
 @dataclass
 class ModelConfig:
     """Shape of a decoder-only Transformer language model.
@@ -138,35 +134,48 @@ class ModelConfig:
     Every field has a default so that ``ModelConfig()`` is a valid (tiny) model.
     """
 
-    vocab_size: int = setting(256, check="positive_int", group="data")
+    vocab_size: int = setting(256, group="data")
     """Number of token ids: 256 for bytes (text), or the vocabulary of a token-array --data."""
-    context_length: int = setting(128, check="positive_int", group="model")
+    context_length: int = setting(128, group="model")
     """Longest sequence the model takes (size of the learned position table)."""
-    d_model: int = setting(128, check="positive_int", group="model")
+    d_model: int = setting(128, group="model")
     """Width of the residual stream."""
-    n_layers: int = setting(4, check="positive_int", group="model")
+    n_layers: int = setting(4, group="model")
     """Number of decoder blocks."""
-    n_heads: int = setting(4, check="positive_int", group="model")
+    n_heads: int = setting(4, group="model")
     """Attention heads per block; must divide ``d_model``."""
-    d_ff: int = setting(512, check="positive_int", group="model")
+    d_ff: int = setting(512, group="model")
     """Hidden width of the feed-forward layer."""
     norm: str = setting("tritonnorm", choices=NORM_KINDS, group="model")
     """Norm layer: "tritonnorm" (fused RMSNorm), "reference" (RMSNorm with a hand-derived
     backward in plain PyTorch), "torch" (``torch.nn.RMSNorm``) or "layernorm"."""
-    eps: float = setting(1e-5, check="eps", group="model")
+    eps: float = setting(1e-5, group="model")
     """Epsilon inside the norm's square root."""
     tie_embeddings: bool = setting(False, group="model")
     """Share the token embedding matrix with the output (LM head) projection."""
     ffn: str = setting("swiglu", choices=FFN_KINDS, group="model")
     """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
 
+    def check(self) -> None:
+        """Each field in its range, in field order; ``ValueError`` with one line naming
+        the first bad one."""
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
+            _integer(name, getattr(self, name), 1, what="a positive integer",
+                     below="a positive integer")
+        _one_of("norm", self.norm, NORM_KINDS)
+        # tritonnorm's own range (tritonnorm.limits imports no torch).
+        if self.eps is not None and not (_is_number(self.eps) and eps_in_range(self.eps)):
+            raise ValueError(f"eps must be {EPS_RANGE}, got {self.eps!r}")
+        _one_of("ffn", self.ffn, FFN_KINDS)
+
     def validate(self) -> ModelConfig:
-        """Check every field; raise ``ValueError`` with one line naming the bad one.
+        """Check every field (:meth:`check`) and that the heads divide the width; raise
+        ``ValueError`` with one line naming the bad one.
 
         Returns:
             ``self``, so that ``ModelConfig(...).validate()`` chains.
         """
-        check_fields(self)
+        self.check()
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
@@ -226,3 +235,338 @@ def model_config(preset: str = "tiny", **overrides: Any) -> ModelConfig:
     fields = dict(PRESETS[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig.from_dict(fields)
+
+
+# ------------------------------------------------------------------- training settings
+DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
+SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
+#: The sharding kinds that average gradients themselves, with no DDP wrapper (``--ddp none``):
+#: zero1's ShardedOptimizer reduce-scattering them (stages 1 and 2) and PyTorch's FSDP2.
+SELF_REDUCING = ("zero1", "zero2", "fsdp")
+#: The one precision table: autocast name -> torch dtype name (None: no autocast).
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: Which thread runs backward (``TrainSettings.backward_thread``).
+BACKWARD_THREADS = ("caller", "autograd")
+#: What the backward recomputes (``TrainSettings.activation_checkpointing``).
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+#: The device types the ranks run on (``TrainSettings.device_type``).
+DEVICE_TYPES = ("cpu", "cuda")
+#: Local ranks when ``nproc`` is not given, by device type.
+DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class TrainSettings:
+    """One training run: the model's shape and every other setting of ``lab2-train``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model's shape."""
+    data: str | None = setting(None, group="data", default_text="this Python's "
+                               "standard-library sources")
+    """Text file, folder, or .npy/.bin token array."""
+    vocab_size: int | None = setting(None, flag=False)
+    """Vocabulary of a token-array corpus (None: bytes); ``--vocab-size`` sets it and the
+    model's."""
+    steps: int = setting(200, group="optimisation")
+    """Optimizer steps in the whole run (the schedule's length)."""
+    batch_size: int = setting(32, group="optimisation")
+    """Global batch in sequences, over all ranks and micro-batches."""
+    grad_accum: int = setting(1, group="optimisation")
+    """Micro-batches per step on each rank."""
+    lr: float = setting(3e-3, group="optimisation")
+    """Peak learning rate."""
+    min_lr: float = setting(3e-4, group="optimisation")
+    """Final learning rate, in [0, lr]."""
+    warmup: int = setting(20, group="optimisation")
+    """Linear warm-up steps."""
+    weight_decay: float = setting(0.1, group="optimisation")
+    """AdamW decoupled weight decay (matrices only; not norms)."""
+    beta1: float = setting(0.9, group="optimisation")
+    """AdamW's first-moment decay."""
+    beta2: float = setting(0.95, group="optimisation")
+    """AdamW's second-moment decay."""
+    clip: float = setting(1.0, group="optimisation")
+    """Gradient-norm clip (0 turns it off)."""
+    precision: str = setting("fp32", choices=tuple(PRECISIONS), group="optimisation")
+    """Autocast precision of the forward pass."""
+    compile: bool = setting(False, group="optimisation")
+    """Wrap the model in ``torch.compile``."""
+    compile_backend: str = setting("inductor", group="optimisation")
+    """torch.compile's backend ("aot_eager" compiles in seconds and needs no C compiler)."""
+    compile_mode: str | None = setting(None, group="optimisation", default_text="none")
+    """torch.compile's mode, e.g. max-autotune."""
+    backward_thread: str = setting("caller", choices=BACKWARD_THREADS, group="optimisation")
+    """Which thread runs backward: "caller" (the training loop's own) or "autograd"
+    (PyTorch's default, a worker thread per device). Each rank drives one device, so the
+    worker only adds a hand-over, and Python code inside backward (tritonnorm's backward,
+    minddp's gradient hooks) runs markedly slower on it."""
+    activation_checkpointing: str = setting("none", choices=ACTIVATION_CHECKPOINTING,
+                                            group="optimisation")
+    """Recompute activations in backward instead of keeping them: "full" reruns every
+    block's forward (least memory, a third more FLOPs), "selective" keeps the matrix
+    products' and attention's outputs and recomputes the norms and the elementwise rest;
+    the losses are the same."""
+    seed: int = setting(0, group="optimisation")
+    """Seed of the weights, the data order and the samples."""
+    nproc: int | None = setting(None, group="parallelism",
+                                default_text="2 on CPU, 1 on GPU; ignored under torchrun")
+    """Local ranks to spawn."""
+    ddp: str | None = setting(None, choices=DDP_KINDS, group="parallelism",
+                              default_text="none with zero1, zero2 and fsdp (they average "
+                              "gradients themselves); else bucketed with >1 rank, else none")
+    """Gradient averaging wrapper: minddp's bucketed, individual, flat or naive; PyTorch's
+    DistributedDataParallel (torch); none (one rank, or a sharding that averages
+    gradients itself). Only --sharding none, zero1-allreduce and torch take one."""
+    bucket_mb: float = setting(25.0, group="parallelism")
+    """Bucket size in MiB: DDP's (bucketed and torch) and zero1/zero2's gradient buckets."""
+    bucket_rule: str = setting("reach", choices=BUCKET_RULES, group="parallelism")
+    """How bucket_mb cuts minddp's and zero1/zero2's buckets: "reach" closes a bucket once it holds
+    bucket_mb, as PyTorch DDP does (the same buckets as torch at the same size);
+    "at_most" lets none pass it (about twice as many buckets, each with its own host work
+    and collective)."""
+    sharding: str | None = setting(None, choices=SHARDING_KINDS, group="parallelism",
+                                   default_text="zero1 with >1 rank (zero1-allreduce when "
+                                   "--ddp is given), else none")
+    """ZeRO sharding: zero1 / zero2 (zero1's ShardedOptimizer stage 1 / 2: gradients
+    reduce-scattered in buckets during backward, no DDP wrapper), zero1-allreduce (a --ddp
+    wrapper all-reduces, ShardedOptimizer broadcasts its updated shards), torch (a --ddp
+    wrapper + PyTorch's ZeroRedundancyOptimizer), fsdp (PyTorch's FSDP2 fully_shard on
+    every block and the root, plain AdamW over the sharded parameters), or none."""
+    reshard_after_forward: bool = setting(True, group="parallelism")
+    """--sharding fsdp: free each block's gathered parameters after its forward and gather
+    them again for backward (FSDP2's default); off keeps them to the end of backward (one
+    all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
+    device: str = setting("auto", group="parallelism")
+    """auto, cpu or cuda."""
+    timeout: float = setting(300.0, group="parallelism", metavar="SECONDS")
+    """How long a collective waits for the other ranks, and how long a rank may go silent,
+    before the run fails naming it."""
+    out: str = setting("runs/latest", group="outputs", default_text="runs/<preset>-<time>")
+    """Output folder."""
+    resume: str | None = setting(None, group="outputs", nargs="?", const="", metavar="PATH",
+                                 default_text="no")
+    """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
+    runs/), with every setting of its run unless a flag gives it."""
+    ckpt_every: int = setting(0, group="outputs", default_text="at the end")
+    """Checkpoint every N steps."""
+    eval_every: int = setting(50, group="outputs")
+    """Validate every N steps (0: only at the end)."""
+    eval_batches: int = setting(8, group="outputs")
+    """Validation batches (of batch_size sequences) per evaluation."""
+    log_every: int = setting(25, group="outputs")
+    """Log line every N steps when the console is not a terminal."""
+    sample_tokens: int = setting(300, group="outputs")
+    """Length of the text sample generated at the end (0: none)."""
+    quiet: bool = setting(False, group="outputs")
+    """No progress bar nor per-step console output (files are still written)."""
+    plot: bool = setting(True, group="outputs")
+    """Draw loss_curve.png at the end."""
+    device_type: str = setting("cpu", choices=DEVICE_TYPES, flag=False)
+    """The device the ranks run on, resolved from ``device``."""
+
+    def resolve(self, world_size: int | None = None, device_type: str | None = None
+                ) -> TrainSettings:
+        """Fill the defaults that depend on the device and the number of ranks.
+
+        Args:
+            world_size: the ranks there are (under torchrun); None: ``nproc``, or
+                :data:`DEFAULT_NPROC` of the device type.
+            device_type: "cpu" or "cuda" (None: keep ``device_type``).
+
+        Raises:
+            ValueError: a bad ``nproc``.
+        """
+        if device_type is not None:
+            self.device_type = device_type
+        _integer(flag("nproc"), self.nproc, 1)
+        if world_size is None:
+            world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
+        self.nproc = world_size
+        if self.sharding is None:
+            if world_size == 1:
+                self.sharding = "none"
+            else:  # --ddp X alone keeps the DDP-wrapper pairing
+                self.sharding = ("zero1-allreduce" if self.ddp not in (None, "none")
+                                 else "zero1")
+        if self.ddp is None:
+            self.ddp = ("bucketed" if world_size > 1 and self.sharding not in SELF_REDUCING
+                        else "none")
+        return self
+
+    def check(self) -> None:
+        """Each setting in its range, in field order; ``ValueError`` with one line naming
+        the first bad one by its flag."""
+        _integer(flag("vocab_size"), self.vocab_size, 1)
+        for name in ("steps", "batch_size", "grad_accum"):
+            _integer(flag(name), getattr(self, name), 1)
+        _number(flag("lr"), self.lr, lambda v: v > 0, "> 0")
+        _number(flag("min_lr"), self.min_lr)
+        _integer(flag("warmup"), self.warmup, 0)
+        _number(flag("weight_decay"), self.weight_decay, lambda v: v >= 0, ">= 0")
+        for name in ("beta1", "beta2"):
+            _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
+        _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
+        _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        _one_of(flag("backward_thread"), self.backward_thread, BACKWARD_THREADS)
+        _one_of(flag("activation_checkpointing"), self.activation_checkpointing,
+                ACTIVATION_CHECKPOINTING)
+        _integer(flag("seed"), self.seed, 0, below="in [0, 2**63)", above="in [0, 2**63)")
+        _integer(flag("nproc"), self.nproc, 1)
+        _one_of(flag("ddp"), self.ddp, DDP_KINDS)
+        _number(flag("bucket_mb"), self.bucket_mb, lambda v: v > 0, "> 0")
+        _one_of(flag("bucket_rule"), self.bucket_rule, BUCKET_RULES)
+        _one_of(flag("sharding"), self.sharding, SHARDING_KINDS)
+        _number(flag("timeout"), self.timeout, lambda v: 0 < v <= MAX_SECONDS,
+                f"> 0 and at most {MAX_SECONDS:,.0f} (a year)")
+        for name in ("ckpt_every", "eval_every"):
+            _integer(flag(name), getattr(self, name), 0)
+        _integer(flag("eval_batches"), self.eval_batches, 1)
+        _integer(flag("log_every"), self.log_every, 1)
+        _integer(flag("sample_tokens"), self.sample_tokens, 0)
+        _one_of(flag("device_type"), self.device_type, DEVICE_TYPES)
+
+    def validate(self, world_size: int) -> TrainSettings:
+        """Check the settings for ``world_size`` ranks (resolving what is still unset);
+        ``ValueError`` with one line naming the first bad setting."""
+        self.model.validate()
+        if self.ddp is None or self.sharding is None or self.nproc is None:
+            self.resolve(world_size)
+        self.check()
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
+        if self.sharding in SELF_REDUCING and self.ddp != "none":
+            raise ValueError(f"--sharding {self.sharding} averages gradients itself, without "
+                             f"a DDP wrapper: drop --ddp {self.ddp} (--sharding "
+                             "zero1-allreduce pairs a --ddp wrapper with zero1)")
+        if self.sharding in SELF_REDUCING and self.precision == "fp16":
+            raise ValueError(f"--precision fp16 needs a gradient scaler that reads every "
+                             f"averaged gradient, which --sharding {self.sharding} does not "
+                             "leave on the model: use bf16")
+        if self.sharding in ("zero1-allreduce", "torch") and self.ddp == "none" \
+                and world_size > 1:
+            raise ValueError(f"--sharding {self.sharding} needs a --ddp variant")
+        if self.ddp == "none" and world_size > 1 and self.sharding not in SELF_REDUCING:
+            raise ValueError(f"--ddp none cannot average gradients over {world_size} ranks")
+        if self.vocab_size is not None and self.vocab_size != self.model.vocab_size:
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} differs from the model's {self.model.vocab_size}"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (checkpoints load with ``weights_only=True``)."""
+        out = dataclasses.asdict(self)
+        out["model"] = self.model.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainSettings:
+        """Inverse of :meth:`to_dict` (unknown keys are ignored: newer checkpoints; missing
+        ones take their defaults: older checkpoints)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        kwargs["model"] = ModelConfig.from_dict(values["model"])
+        return cls(**kwargs)
+
+
+# Not written to settings.toml: where a run resumed from is not part of what it is, and
+# the device type is written as ``device``.
+_NOT_WRITTEN = ("model", "resume", "device_type")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        text = repr(value)
+        return text if any(c in text for c in ".en") else text + ".0"
+    if isinstance(value, str):
+        # A TOML basic string: JSON's escapes are TOML's, and TOML also escapes DEL.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def to_toml(settings: TrainSettings) -> str:
+    """The settings as TOML that :func:`from_toml` (and ``--config``) reads back: the
+    training settings as top-level keys, the model's under ``[model]``; None values are
+    left out (they are the defaults)."""
+    lines = ["# lab2-train settings: lab2-train --config settings.toml [flags] reruns them"]
+    for f in dataclasses.fields(settings):
+        value = settings.device_type if f.name == "device" else getattr(settings, f.name)
+        if f.name not in _NOT_WRITTEN and value is not None:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    lines += ["", "[model]"]
+    for f in dataclasses.fields(settings.model):
+        lines.append(f"{f.name} = {_toml_value(getattr(settings.model, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _typed(owner: str, f: dataclasses.Field, value: Any) -> Any:
+    """A TOML value as the field's type (an integer where a float is wanted becomes one)."""
+    kind = str(f.type).split(" |")[0]
+    label = f"{owner}{f.name}"
+    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # TOML integers are unbounded here
+            raise ValueError(f"{label} must be a finite number, got {value!r}") from None
+    want = {"int": int, "float": float, "str": str, "bool": bool}.get(kind)
+    if want is not None and (not isinstance(value, want)
+                             or (want is int and isinstance(value, bool))):
+        raise ValueError(f"{label} must be of type {kind}, got {value!r}")
+    return value
+
+
+def from_toml(text: str, source: str = "settings") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read settings TOML into (training settings, model fields), both only the keys given.
+
+    A ``preset`` key is returned among the training settings; a top-level ``vocab_size``
+    is the data's vocabulary and the model's, as ``--vocab-size`` is.
+
+    Raises:
+        ValueError: not TOML, an unknown key, or a value of the wrong type.
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{source} is not valid TOML: {exc}") from None
+    model = data.pop("model", {})
+    if not isinstance(model, dict):
+        raise ValueError(f"{source}: model must be a table")
+    train_fields = {f.name: f for f in dataclasses.fields(TrainSettings)
+                    if f.name not in ("model", "device_type")}
+    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    train: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "preset":
+            if not isinstance(value, str):
+                raise ValueError(f"{source}: preset must be a string (a preset's name), got "
+                                 f"{value!r}")
+            train[key] = value
+        elif key in train_fields:
+            train[key] = _typed(f"{source}: ", train_fields[key], value)
+        else:
+            raise ValueError(f"{source}: unknown setting {key!r}")
+    fields: dict[str, Any] = {}
+    for key, value in model.items():
+        if key not in model_fields:
+            raise ValueError(f"{source}: unknown model setting {key!r}")
+        fields[key] = _typed(f"{source}: model.", model_fields[key], value)
+    return train, fields

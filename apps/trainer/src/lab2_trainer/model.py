@@ -1,22 +1,59 @@
-"""A decoder-only Transformer language model with a selectable norm layer.
+"""A decoder-only Transformer language model with a selectable norm layer, its KV cache
+for decoding, and activation checkpointing of its blocks.
 
 Pre-norm blocks (norm -> causal self-attention -> residual, norm -> feed-forward ->
 residual), learned absolute positions, a final norm and a linear LM head. Attention goes
 through ``F.scaled_dot_product_attention(is_causal=True)`` so every backend PyTorch has
 (flash, memory-efficient, math) is used where it applies.
+
+**KV cache.** Keys and values of past positions, kept per layer so decoding a token costs
+one position. Without a cache, generating each token runs the whole context through the
+model again. With one, the prompt is run once (the *prefill*), every attention layer keeps
+its keys and values, and each new token runs alone, attending to the kept ones. The cache
+holds up to ``capacity`` positions (the model's context length: positions are learned
+absolute embeddings, so there is none beyond it). Storage is allocated at the first
+write, in the dtype and on the device of the keys (so bf16 under autocast), and positions
+are filled in order: ``length`` is the number filled and the absolute position of the next.
+
+**Activation checkpointing** of the decoder blocks (``--activation-checkpointing``), three
+kinds (:data:`~lab2_trainer.config.ACTIVATION_CHECKPOINTING`):
+
+* ``none``: autograd keeps every tensor the backward needs.
+* ``full``: each block keeps only its inputs (the residual stream and the pending branch
+  output); its forward runs again inside the backward, block by block
+  (``torch.utils.checkpoint.checkpoint(use_reentrant=False)``). One extra forward of the
+  blocks per step: about a third more matrix-product FLOPs.
+* ``selective``: an op-level policy (``torch.utils.checkpoint``'s
+  ``create_selective_checkpoint_contexts``) keeps the outputs of the matrix products and
+  of attention, and recomputes the rest of the block (the norms, SiLU and its product,
+  casts and copies). Recomputing those costs no matrix-product FLOPs and only a few
+  memory-bound kernels, while what is dropped (norm outputs, the SwiGLU's gate and product)
+  is about 40% of a block's activations. Every-other-block checkpointing saves a little
+  more memory but recomputes half a forward of matrix products, about 17% more FLOPs per
+  step; the op-level policy is nearly free, so it is the one ``selective`` means. Where
+  torch lacks the policy API, ``selective`` falls back to checkpointing every other block
+  in full (with a warning), and :func:`selective_kind` says so.
+
+Gradients are reduced once: the DDP wrappers' and zero1's hooks are post-accumulate-grad
+hooks on the parameters, and a recomputed forward accumulates no gradient; FSDP2's
+forward hooks do nothing while its backward is running (the recompute's gathers are its
+pre-backward hook's).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import checkpoint as _ckpt
 
-from lab2_trainer.checkpointing import check_kind, run_block
-from lab2_trainer.config import ModelConfig
-from lab2_trainer.kv_cache import KVCache, LayerKV
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, ModelConfig
 
 
 class ReferenceRMSNorm(nn.Module):
@@ -110,7 +147,7 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t only.
 
-    While ``kv`` holds a :class:`~lab2_trainer.kv_cache.LayerKV` (set by
+    While ``kv`` holds a :class:`LayerKV` (set by
     :meth:`TransformerLM.forward_cached` for its duration), the input is the next tokens
     only: their keys and values are appended to the cache, and they attend to every
     position held there.
@@ -200,7 +237,7 @@ class TransformerLM(nn.Module):
             the same device type, independent of the global random state.
         device: where to build the parameters.
         activation_checkpointing: "none", "full" or "selective"
-            (:mod:`lab2_trainer.checkpointing`); an attribute of the same name, which may
+            (:func:`run_block`); an attribute of the same name, which may
             be changed later. It changes what the backward keeps, not the results.
     """
 
@@ -396,3 +433,171 @@ class TransformerLM(nn.Module):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = F.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)
+
+
+# ---------------------------------------------------------------------------- KV cache
+class LayerKV:
+    """One attention layer's keys and values, (B, heads, capacity, head_dim) each.
+
+    Args:
+        owner: the :class:`KVCache` whose ``length`` says where the next write goes.
+    """
+
+    def __init__(self, owner: KVCache) -> None:
+        self.owner = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store ``k`` and ``v`` (B, heads, t, head_dim) after the positions already held.
+
+        Returns:
+            (keys, values, start): every position held so far, these included, and the
+            absolute position of ``k``'s first row.
+
+        Raises:
+            ValueError: the positions would run past the capacity, or the batch or head
+                layout differs from the first write.
+        """
+        start = self.owner.length
+        end = start + k.shape[2]
+        if end > self.owner.capacity:
+            raise ValueError(f"KV cache holds {self.owner.capacity} positions; writing "
+                             f"{k.shape[2]} after {start} would run past it")
+        if self.keys is None:
+            shape = (*k.shape[:2], self.owner.capacity, k.shape[3])
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        elif k.shape[:2] != self.keys.shape[:2] or k.shape[3] != self.keys.shape[3]:
+            raise ValueError(f"KV cache was filled with (batch, heads, _, head_dim) = "
+                             f"{tuple(self.keys.shape)}, got keys of shape {tuple(k.shape)}")
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end], start
+
+
+class KVCache:
+    """Per-layer keys and values for incremental decoding.
+
+    The model's cached forward writes every layer at ``length``, then advances ``length``
+    by the tokens it ran. ``reset`` empties it without freeing the storage.
+
+    Args:
+        n_layers: attention layers of the model.
+        capacity: most positions held (the model's context length).
+    """
+
+    def __init__(self, n_layers: int, capacity: int) -> None:
+        if n_layers < 1 or capacity < 1:
+            raise ValueError(f"KVCache needs n_layers >= 1 and capacity >= 1, got "
+                             f"{n_layers} and {capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.layers = [LayerKV(self) for _ in range(n_layers)]
+
+    @property
+    def free(self) -> int:
+        """Positions left before the cache is full."""
+        return self.capacity - self.length
+
+    def advance(self, tokens: int) -> None:
+        """Count ``tokens`` more positions as held (after every layer has written them)."""
+        if not 0 < tokens <= self.free:
+            raise ValueError(f"cannot advance a KV cache with {self.free} free positions by "
+                             f"{tokens}")
+        self.length += tokens
+
+    def reset(self) -> None:
+        """Forget every position (the storage is kept for the next prefill)."""
+        self.length = 0
+
+
+# ------------------------------------------------------------ activation checkpointing
+def _saved_operators() -> set[Any]:
+    """The operators whose outputs ``selective`` keeps: matrix products and attention."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward")
+    found = set()
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found.add(packet.default)
+    return found
+
+
+def has_op_policy() -> bool:
+    """Whether this torch has the op-level policy API ``selective`` uses."""
+    return hasattr(_ckpt, "create_selective_checkpoint_contexts") and hasattr(
+        _ckpt, "CheckpointPolicy")
+
+
+def selective_kind() -> str:
+    """What ``selective`` does with this torch: "op" (keep matrix-product and attention
+    outputs, recompute the rest) or "every-other-block" (the fallback)."""
+    return "op" if has_op_policy() else "every-other-block"
+
+
+def _build_policy_context() -> Callable[[], Any]:
+    """The ``context_fn`` of the op-level policy."""
+    policy_enum = _ckpt.CheckpointPolicy
+    saved = frozenset(_saved_operators())
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op in saved:
+            return policy_enum.MUST_SAVE
+        return policy_enum.PREFER_RECOMPUTE
+
+    return functools.partial(_ckpt.create_selective_checkpoint_contexts, policy)
+
+
+# Built at import: torch.compile then reads a module global instead of tracing the build.
+_POLICY_CONTEXT = _build_policy_context() if has_op_policy() else None
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it is one of :data:`~lab2_trainer.config.ACTIVATION_CHECKPOINTING`, else
+    ``ValueError``."""
+    if kind not in ACTIVATION_CHECKPOINTING:
+        raise ValueError("activation checkpointing must be one of "
+                         f"{', '.join(ACTIVATION_CHECKPOINTING)}; got {kind!r}")
+    return kind
+
+
+_warned = False
+
+
+def run_block(block: nn.Module, index: int, kind: str, *args: torch.Tensor | None) -> Any:
+    """``block(*args)``, checkpointed as ``kind`` says (block ``index`` counts for the
+    every-other-block fallback). Without gradients (evaluation, sampling) the block runs
+    plainly."""
+    if kind == "none" or not torch.is_grad_enabled():
+        return block(*args)
+    if kind == "full":
+        return _ckpt.checkpoint(block, *args, use_reentrant=False)
+    if has_op_policy():
+        return _ckpt.checkpoint(block, *args, use_reentrant=False,
+                                context_fn=_POLICY_CONTEXT)
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("this torch has no create_selective_checkpoint_contexts: "
+                      "--activation-checkpointing selective checkpoints every other block "
+                      "in full instead", stacklevel=2)
+    if index % 2 == 0:
+        return _ckpt.checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
+
+
+def recomputed_blocks(kind: str, n_layers: int) -> int:
+    """How many blocks' forward matrix products run again in backward: none (``none``, and
+    the op-level ``selective`` policy, which recomputes no matrix product), all (``full``),
+    every other one (the fallback of ``selective``)."""
+    check_kind(kind)
+    if kind == "full":
+        return n_layers
+    if kind == "selective" and selective_kind() == "every-other-block":
+        return (n_layers + 1) // 2
+    return 0

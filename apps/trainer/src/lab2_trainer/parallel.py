@@ -424,7 +424,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
         reduce_dtype: the DDP wrapper's wire dtype (``GradSync``).
         reshard_after_forward: FSDP2's, for "fsdp".
     """
-    from lab2_trainer.settings import SELF_REDUCING
+    from lab2_trainer.config import SELF_REDUCING
 
     if sharding in SELF_REDUCING and ddp != "none":
         raise ValueError(f"sharding {sharding!r} averages gradients itself: ddp must be "

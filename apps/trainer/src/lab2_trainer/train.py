@@ -1,10 +1,12 @@
-"""The training loop, run by every rank.
+"""The training loop, run by every rank, with its learning-rate schedule and the choice of
+the thread that runs backward.
 
-Per step: the learning rate from the schedule; this rank's micro-batches of the global
-batch; forward and backward under autocast, inside ``no_sync`` for all micro-batches but
-the last; gradient averaging; clipping by the global norm of the averaged gradients; the
-optimizer step. What wraps the model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up
-by :func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
+Per step: the learning rate from the schedule (:class:`WarmupCosine`: linear warm-up, then
+cosine decay to a floor); this rank's micro-batches of the global batch; forward and
+backward under autocast, inside ``no_sync`` for all micro-batches but the last; gradient
+averaging; clipping by the global norm of the averaged gradients; the optimizer step. What
+wraps the model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up by
+:func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
 ``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
 zero1, zero2 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
 from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
@@ -14,8 +16,16 @@ same as one process on the whole batch.
 Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
 fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
 and the next batch is drawn and copied asynchronously while the current step runs
-(:mod:`lab2_trainer.prefetch`). Per-step records are written at those fetches; their
-``step_seconds`` is the mean of the steps since the previous fetch.
+(:class:`lab2_trainer.data.Prefetcher`). Per-step records are written at those fetches;
+their ``step_seconds`` is the mean of the steps since the previous fetch.
+
+Which thread runs ``backward()`` (:func:`backward_thread`): by default autograd runs the
+backward of CUDA tensors on a worker thread per device while the calling thread waits. A
+rank of this trainer drives one device, so the worker gains nothing; and Python code inside
+backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
+hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
+state, after a hand-over each way. The trainer therefore runs backward on the caller
+(measured in ``apps/trainer/docs/2026-12-01-h200-backward-thread.md``).
 """
 
 from __future__ import annotations
@@ -23,14 +33,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.atomic_files import atomic_write_text
-from lab2_trainer.backward_thread import backward_thread
 from lab2_trainer.checkpoint import (
     CHECKPOINT_NAME,
     FORMAT,
@@ -40,24 +50,100 @@ from lab2_trainer.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from lab2_trainer.data import BatchSampler, check_batch_layout, load_corpus, unigram_entropy
-from lab2_trainer.distributed import DistContext
-from lab2_trainer.errors import UsageError
-from lab2_trainer.mfu import (
+from lab2_trainer.config import BACKWARD_THREADS, PRECISIONS, TrainSettings, UsageError
+from lab2_trainer.data import (
+    BatchSampler,
+    Prefetcher,
+    check_batch_layout,
+    load_corpus,
+    unigram_entropy,
+)
+from lab2_trainer.launch import DistContext
+from lab2_trainer.model import TransformerLM, selective_kind
+from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.report import (
+    SAMPLE_NAME,
+    RunReporter,
+    bytes_as_text,
     device_label,
     device_peak,
     matmul_parameters,
     mfu,
+    provenance,
     recompute_flops_per_token,
     training_flops_per_token,
 )
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import fused_adamw_available, parallelize
-from lab2_trainer.prefetch import Prefetcher
-from lab2_trainer.report import SAMPLE_NAME, RunReporter, bytes_as_text, provenance
-from lab2_trainer.schedule import WarmupCosine, set_lr
-from lab2_trainer.settings import PRECISIONS, TrainSettings
+from lab2_trainer.run_folder import atomic_write_text
 
+
+# -------------------------------------------------------------- learning-rate schedule
+@dataclass
+class WarmupCosine:
+    """Linear warm-up to ``max_lr`` over ``warmup`` steps, then cosine decay to ``min_lr``
+    at step ``total``, constant after.
+
+    Step ``s`` (0-based, the step about to be taken) gets ``max_lr * (s + 1) / warmup``
+    during warm-up, so the first step already moves the weights.
+
+    Args:
+        max_lr: peak learning rate.
+        min_lr: learning rate at and after ``total``.
+        warmup: warm-up steps (0 for none).
+        total: step at which the decay ends (usually the run's step count).
+    """
+
+    max_lr: float
+    min_lr: float
+    warmup: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if self.max_lr <= 0 or self.min_lr < 0 or self.min_lr > self.max_lr:
+            raise ValueError(
+                f"need 0 <= min_lr <= max_lr and max_lr > 0; got min_lr={self.min_lr}, "
+                f"max_lr={self.max_lr}"
+            )
+        if self.warmup < 0 or self.total < 1:
+            raise ValueError(f"need warmup >= 0 and total >= 1; got {self.warmup}, {self.total}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.max_lr * (step + 1) / self.warmup
+        if step >= self.total:
+            return self.min_lr
+        span = max(1, self.total - self.warmup)
+        progress = (step - self.warmup) / span
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + (self.max_lr - self.min_lr) * cosine
+
+    def state_dict(self) -> dict:
+        """The schedule's parameters (it has no other state: the step is the input)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> WarmupCosine:
+        """Rebuild a schedule saved by :meth:`state_dict`."""
+        return cls(**state)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Write ``lr`` into every param group (sharded optimizers pass it on at ``step``)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# --------------------------------------------------------------------- backward thread
+def backward_thread(kind: str) -> AbstractContextManager:
+    """A context under which ``backward()`` runs on the thread ``kind`` names: "caller"
+    (the thread that calls it) or "autograd" (PyTorch's device worker, its default).
+    Affects the current thread only."""
+    if kind not in BACKWARD_THREADS:
+        raise ValueError(f"backward_thread must be one of {', '.join(BACKWARD_THREADS)}, "
+                         f"got {kind!r}")
+    return torch.autograd.set_multithreading_enabled(kind == "autograd")
+
+
+# ----------------------------------------------------------------------- training loop
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
 
@@ -420,8 +506,6 @@ class Trainer:
                 f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
 
     def _checkpointing_label(self) -> str:
-        from lab2_trainer.checkpointing import selective_kind
-
         kind = self.s.activation_checkpointing
         if kind == "selective":
             return f"selective ({selective_kind()})"

@@ -2,7 +2,7 @@
 starts: so that bad input costs one line on stderr, exit code 2, and no file written.
 
 (Each setting's own range, e.g. ``--clip nan`` or ``--lr inf``, is its field's check in
-:mod:`lab2_trainer.settings`, run by ``TrainSettings.validate``.)
+:mod:`lab2_trainer.config`, run by ``TrainSettings.validate``.)
 
 * :func:`check_out_path`: ``--out`` is a folder, or can become one;
 * :func:`check_memory`: the model, its gradients and AdamW state (plus the logits of one
@@ -22,8 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lab2_trainer.config import INT_LIMIT
-from lab2_trainer.errors import UsageError
+from lab2_trainer.config import INT_LIMIT, UsageError
 
 GIB = 1024**3
 # Per process: the interpreter, torch and the data maps (a lower bound).

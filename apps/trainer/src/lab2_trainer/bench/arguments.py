@@ -12,8 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import NamedTuple
 
-from lab2_trainer.config import NORM_KINDS, PRESETS
-from lab2_trainer.settings import BACKWARD_THREADS, BUCKET_RULES, PRECISIONS
+from lab2_trainer.config import BACKWARD_THREADS, BUCKET_RULES, NORM_KINDS, PRECISIONS, PRESETS
 from lab2bench.suites.base import comma_list
 
 #: The units a single-device suite times: a forward (loss included), forward+backward,

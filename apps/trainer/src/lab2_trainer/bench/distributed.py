@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import SHARDINGS
 from lab2_trainer.bench.steps import LR, make_optimizer
 from lab2_trainer.bench.workload import (
@@ -44,8 +43,9 @@ from lab2_trainer.bench.workload import (
     free_memory,
     random_batch,
 )
+from lab2_trainer.config import TrainSettings
 from lab2_trainer.parallel import GradSync, fused_adamw_available
-from lab2_trainer.settings import TrainSettings
+from lab2_trainer.train import backward_thread as backward_on
 
 #: The points of a step, in order; durations are measured from the step's start.
 POINTS = ("forward", "backward", "sync", "optimizer")
@@ -100,7 +100,7 @@ def make_variant(model: nn.Module, ddp: str, sharding: str, device: torch.device
         reduce_dtype: the dtype gradients travel in (``GradSync``'s).
         bucket_rule: how ``bucket_mb`` cuts "bucketed"'s buckets (``GradSync``'s).
     """
-    from lab2_trainer.settings import SELF_REDUCING
+    from lab2_trainer.config import SELF_REDUCING
 
     if sharding in SELF_REDUCING:
         raise ValueError(f"sharding {sharding!r} averages gradients itself: build it with "

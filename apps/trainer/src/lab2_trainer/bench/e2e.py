@@ -2,7 +2,7 @@
 
 One model per preset on one device, random token batches; warm-up steps are left out and
 the figures are the mean and standard deviation over the timed steps. ``mfu`` is model FLOPs
-utilisation against the device's dense bf16 peak (``lab2_trainer.mfu``; a forward counts a
+utilisation against the device's dense bf16 peak (``lab2_trainer.report``; a forward counts a
 third of a training step's FLOPs), empty on the CPU and on GPUs without a known peak.
 """
 
@@ -21,7 +21,7 @@ from lab2_trainer.bench.workload import (
     random_batch,
 )
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.mfu import (
+from lab2_trainer.report import (
     device_label,
     device_peak,
     matmul_parameters,

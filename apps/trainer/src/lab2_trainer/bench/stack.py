@@ -19,7 +19,7 @@ Every stack is set up by the trainer's own ``parallelize``, so each steps the tr
 AdamW (decay and no-decay groups, fused kernels on CUDA). With ``--compile`` every model is
 compiled as the trainer compiles: the bare model goes through ``torch.compile`` and the DDP
 wrapper, zero1's hooks or FSDP2's wrap or hook the bare model, so they run around the
-compiled graphs. ``mfu`` is the model FLOPs utilisation per GPU (``lab2_trainer.mfu``),
+compiled graphs. ``mfu`` is the model FLOPs utilisation per GPU (``lab2_trainer.report``),
 empty where no peak is known.
 """
 
@@ -48,7 +48,7 @@ from lab2_trainer.bench.distributed import (
     timing_label,
 )
 from lab2_trainer.bench.e2e import mfu_note
-from lab2_trainer.mfu import device_peak, matmul_parameters, mfu, training_flops_per_token
+from lab2_trainer.report import device_peak, matmul_parameters, mfu, training_flops_per_token
 from lab2bench.suites import SuiteOutput
 
 COLUMNS = ["preset", "variant", "norm", "sharding", "world_size", "precision", "compiled",

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab2_trainer.backward_thread import backward_thread as backward_on
 from lab2_trainer.bench.arguments import MODES
 from lab2_trainer.bench.workload import autocast
+from lab2_trainer.config import TrainSettings
 from lab2_trainer.parallel import build_optimizer, fused_adamw_available
-from lab2_trainer.settings import TrainSettings
+from lab2_trainer.train import backward_thread as backward_on
 
 #: The learning rate every suite steps AdamW with.
 LR = 1e-4
@@ -48,7 +48,7 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
         device: where the model is.
         optimizer: required for "train_step".
         backward_thread: the thread that runs backward ("caller", as the trainer does, or
-            "autograd"; see ``lab2_trainer.backward_thread``).
+            "autograd"; see ``lab2_trainer.train``).
     """
     idx, tgt = batch
     if mode not in MODES:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab2_trainer.config import PRECISIONS as _PRECISION_NAMES
 from lab2_trainer.config import ModelConfig, model_config
-from lab2_trainer.settings import PRECISIONS as _PRECISION_NAMES
 
 #: The micro model of ``--quick`` runs (a bench-only name next to the trainer's presets).
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)

@@ -103,8 +103,8 @@ def zero_rank(rank: int, world_size: int, spec: RankSpec) -> dict[str, Any]:
 
     def first_step(name: str, v: Variant) -> dict[str, Any]:
         # The step of run_step, split at the optimizer so each part gets its own peak.
-        from lab2_trainer.backward_thread import backward_thread as backward_on
         from lab2_trainer.bench.workload import autocast
+        from lab2_trainer.train import backward_thread as backward_on
 
         idx, tgt = batches[0]
         v.optimizer.zero_grad(set_to_none=True)
