@@ -8,7 +8,7 @@ of about 1B parameters, in one run of under 6 minutes.
     (``OPTIONS.eager_dispatch`` forced to "kernels", then "torch"): the eager time of one
     forward+backward call (a chain of calls issued back to back, one synchronisation at the
     end: host time where the call is host-bound, device time where not), and the device
-    time of one call graph-timed (``lab2bench.timing.measure(cuda_graph=True)``). The
+    time of one call graph-timed (``lab2bench.timing.graph_time``). The
     "auto" column says which path the current ``OPTIONS.torch_below`` picks; ``best`` says
     which eager time is lower. Set ``torch_below`` to the element count where ``best``
     turns from torch to kernels, per dtype.
@@ -39,7 +39,8 @@ import torch
 
 import tritonnorm
 from lab2bench.records import atomic_write_text
-from lab2bench.timing import measure
+from lab2bench.report import markdown_table
+from lab2bench.timing import graph_time
 from tritonnorm.ops import OPTIONS, _prefer_torch
 
 HIDDEN = (512, 1024, 2048, 4096, 8192)
@@ -64,13 +65,10 @@ class Budget:
     passed is left out (and recorded as such), so the whole run stays under its limit."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds, self.start = seconds, time.perf_counter()
+        self.end = time.perf_counter() + seconds
 
     def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.start)
-
-
-# ------------------------------------------------------------------ (a) crossover
+        return self.end - time.perf_counter()
 
 
 def _eager_us(x, w, mode, offset, chain: int, rounds: int) -> float:
@@ -95,8 +93,7 @@ def _device_us(x, w, mode, offset) -> float:
     def fn():
         return tritonnorm.rms_norm(xg, w, 1e-6, casting_mode=mode, offset=offset)
 
-    stats = measure(fn, warmup=2, repeats=10, backward=True, cuda_graph=True)
-    return stats.median_ms * 1e3
+    return graph_time(fn, warmup=2, repeats=10, backward=True).median * 1e6
 
 
 def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
@@ -133,9 +130,6 @@ def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
                 del x
                 torch.cuda.empty_cache()
     return out
-
-
-# ------------------------------------------------------------------ (b) Llama ~1B
 
 
 def _llama(quick: bool):
@@ -259,35 +253,21 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
     return out
 
 
-# ------------------------------------------------------------------ report
-
-
 def markdown(records: list[dict], env: dict) -> str:
-    lines = [f"# tritonnorm on {env['device']} (torch {env['torch']}, triton "
-             f"{env['triton']}, transformers {env['transformers']})", "",
-             "## (a) Eager fwd+bwd per call, kernels vs F.rms_norm (µs)", "",
-             "| dtype | H | rows | variant | kernels eager | torch eager | kernels device "
-             "| torch device | best | auto picks |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
-    for r in records:
-        if r["part"] == "crossover" and "skipped" in r:
-            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | - | skipped: "
-                         f"{r['skipped']} | | | | | |")
-        elif r["part"] == "crossover":
-            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | {r['variant']} | "
-                         f"{r['kernels_eager_us']:.1f} | {r['torch_eager_us']:.1f} | "
-                         f"{r['kernels_device_us']:.1f} | {r['torch_device_us']:.1f} | "
-                         f"{r['best']} | {r['auto_picks']} |")
-    lines += ["", "## (b) HF Llama ~1B training step (ms; x = first / second, paired)", "",
-              "| first | second | first ms | second ms | x |", "|---|---|---:|---:|---:|"]
-    for r in records:
-        if r["part"] == "llama":
-            if "skipped" in r:
-                lines.append(f"| {r['a']} | {r['b']} | - | - | skipped: {r['skipped']} |")
-            else:
-                lines.append(f"| {r['a']} | {r['b']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | "
-                             f"{r['ratio_a_over_b']:.3f} |")
-    return "\n".join(lines) + "\n"
+    cross = [r for r in records if r["part"] == "crossover"]
+    llama = [r for r in records if r["part"] == "llama"]
+    us = {f"{p}_{k}_us": f"{p} {k}" for k in ("eager", "device") for p in ("kernels", "torch")}
+    return "\n".join([
+        f"# tritonnorm on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']})", "",
+        "## (a) Eager fwd+bwd per call, kernels vs F.rms_norm (µs)", "",
+        markdown_table(cross, ["dtype", "hidden", "rows", "variant", *us, "best", "auto_picks",
+                               "skipped"], ".1f", headers=us),
+        "## (b) HF Llama ~1B training step (ms; x = first / second, paired)", "",
+        markdown_table(llama, ["a", "b", "a_ms", "b_ms", "ratio_a_over_b", "skipped"],
+                       {"a_ms": ".2f", "b_ms": ".2f", "ratio_a_over_b": ".3f"},
+                       headers={"a": "first", "b": "second", "a_ms": "first ms",
+                                "b_ms": "second ms", "ratio_a_over_b": "x"})])
 
 
 def main(argv: list[str] | None = None) -> int:
