@@ -9,10 +9,22 @@ them alike.
 
     python packages/minddp/benchmarks/host_time.py            # table
     python packages/minddp/benchmarks/host_time.py --profile bucketed:0.01
+    python packages/minddp/benchmarks/host_time.py --variants local hook:post_accumulate \
+        hook:post_accumulate_builtin hook:tensor_hook hook:multi_grad_all:3 \
+        hook:multi_grad_all:24                            # what noticing a gradient costs
 
 Variants: ``local`` (no wrapper), ``torch:MB`` (DistributedDataParallel, bucket_cap_mb),
 ``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed), ``reach:MB``
-(DDPBucketed with ``bucket_rule="reach"``, PyTorch's way of cutting buckets). The default
+(DDPBucketed with ``bucket_rule="reach"``, PyTorch's way of cutting buckets), and
+``hook:KIND``: no wrapper, but on every parameter a hook that does nothing, of one of the
+kinds a data-parallel wrapper could use to notice that a gradient is ready:
+``post_accumulate`` (``Tensor.register_post_accumulate_grad_hook``, a Python function, runs
+after ``.grad`` is updated), ``post_accumulate_builtin`` (the same with a C-implemented
+callable, ``list.append``: the cost of calling into Python at all, without a Python frame),
+``tensor_hook`` (``Tensor.register_hook``, before accumulation) and ``multi_grad_all:K``
+(``torch.autograd.graph.register_multi_grad_hook(mode="all")`` over buckets of K
+parameters: one call per bucket, but a Python hook installed on every tensor underneath).
+The default
 caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
 cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
 buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
@@ -58,10 +70,33 @@ def build_model(blocks: int, width: int) -> nn.Module:
     return nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, width))
 
 
+def install_hooks(kind: str, params: list[nn.Parameter]) -> None:
+    """Register hooks of ``kind`` (see the variants ``hook:KIND``) that do nothing."""
+    name, _, k = kind.partition(":")
+    if name == "post_accumulate":
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _p: None)
+    elif name == "post_accumulate_builtin":
+        sink: list = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(sink.append)
+    elif name == "tensor_hook":
+        for p in params:
+            p.register_hook(lambda _g: None)
+    elif name == "multi_grad_all":
+        for i in range(0, len(params), int(k)):
+            torch.autograd.graph.register_multi_grad_hook(params[i : i + int(k)],
+                                                          lambda _gs: None, mode="all")
+    else:
+        raise ValueError(f"unknown hook kind {kind!r}")
+
+
 def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
     """The module to run forward through and the call that ends a step's synchronization."""
     kind, _, mb = variant.partition(":")
-    if kind == "local":
+    if kind == "hook":
+        install_hooks(mb, list(model.parameters()))
+    if kind in ("local", "hook"):
         return model, lambda: None
     if kind == "torch":
         from torch.nn.parallel import DistributedDataParallel
@@ -81,7 +116,7 @@ def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]
 
 def collectives_per_step(variant: str, runner: nn.Module) -> int | None:
     """Collectives the last step launched (PyTorch DDP: its buckets; local: 0)."""
-    if variant == "local":
+    if variant == "local" or variant.startswith("hook:"):
         return 0
     stats = getattr(runner, "last_sync_stats", None)
     if stats is not None:

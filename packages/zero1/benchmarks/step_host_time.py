@@ -24,11 +24,15 @@ of the slowest rank), and for the sharded variants the part spent in the local s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 VARIANTS = ("plain", "sharded", "sharded-loop", "zero")
 
@@ -88,9 +92,11 @@ def _local_step_timer(opt: torch.optim.Optimizer, sink: list[float]) -> None:
     local.step = timed
 
 
-def bench_rank(rank: int, world_size: int, spec: Spec) -> dict[str, dict[str, list[float]]]:
-    import torch.distributed as dist
-
+def bench_rank(rank: int, world_size: int, spec: Spec, init: str, results) -> None:
+    """One rank (``torch.multiprocessing.spawn``'s target): the timings of every variant,
+    put on ``results`` as ``(rank, {variant: {"wall"|"cpu"|"local": [seconds]}})``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     names = [n for n in VARIANTS if n != "zero" or world_size > 1]
     out = {n: {"wall": [], "cpu": [], "local": []} for n in names}
     for rnd in range(spec.rounds):
@@ -110,7 +116,8 @@ def bench_rank(rank: int, world_size: int, spec: Spec) -> dict[str, dict[str, li
                     out[name]["cpu"].append(c1 - c0)
             out[name]["local"] += local[spec.warmup:]
             del opt, model
-    return out
+    dist.destroy_process_group()
+    results.put((rank, out))
 
 
 def _median_us(per_rank: list[dict], name: str, key: str) -> float | None:
@@ -131,8 +138,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from lab2bench.ranks import spawn_ranks
-
     spec = Spec(args.layers, args.width, args.warmup, args.steps, args.rounds)
     model = build_model(spec)
     n_tensors = len(list(model.parameters()))
@@ -143,8 +148,11 @@ def main() -> None:
     print("| world size | variant | wall µs/step | CPU µs/step | local step µs |")
     print("|---:|---|---:|---:|---:|")
     for ws in (int(x) for x in args.world_sizes.split(",")):
-        per_rank = spawn_ranks(bench_rank, ws, spec, threads=1, timeout=1200,
-                               preload=["zero1", "torch.distributed.optim"])
+        results = mp.get_context("spawn").SimpleQueue()
+        with tempfile.TemporaryDirectory() as tmp:
+            init = "file://" + os.path.join(tmp, "rendezvous")
+            mp.spawn(bench_rank, args=(ws, spec, init, results), nprocs=ws)
+        per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
         for name in per_rank[0]:
             wall = _median_us(per_rank, name, "wall")
             cpu = _median_us(per_rank, name, "cpu")
