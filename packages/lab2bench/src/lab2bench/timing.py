@@ -55,40 +55,21 @@ class Stats:
             raise ValueError("Stats.from_samples needs at least one sample")
         if any(math.isnan(v) for v in values):
             raise ValueError(f"a sample is NaN: {values}")
-        std = statistics.stdev(values) if len(values) > 1 else 0.0
-        return cls(
-            mean=statistics.fmean(values),
-            std=std,
-            median=statistics.median(values),
-            min=min(values),
-            max=max(values),
-            samples=values,
-        )
+        return cls(mean=statistics.fmean(values),
+                   std=statistics.stdev(values) if len(values) > 1 else 0.0,
+                   median=statistics.median(values), min=min(values), max=max(values),
+                   samples=values)
 
     @property
     def n(self) -> int:
         """Number of timed samples."""
         return len(self.samples)
 
-    @property
-    def mean_ms(self) -> float:
-        return self.mean * 1e3
-
-    @property
-    def std_ms(self) -> float:
-        return self.std * 1e3
-
-    @property
-    def median_ms(self) -> float:
-        return self.median * 1e3
-
-    @property
-    def min_ms(self) -> float:
-        return self.min * 1e3
-
-    @property
-    def max_ms(self) -> float:
-        return self.max * 1e3
+    mean_ms = property(lambda self: self.mean * 1e3)
+    std_ms = property(lambda self: self.std * 1e3)
+    median_ms = property(lambda self: self.median * 1e3)
+    min_ms = property(lambda self: self.min * 1e3)
+    max_ms = property(lambda self: self.max * 1e3)
 
     def ms(self, stat: str = "median") -> float:
         """One statistic (``"mean"``, ``"std"``, ``"median"``, ``"min"``, ``"max"``) in ms."""
