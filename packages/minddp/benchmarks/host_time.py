@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab2bench.report import markdown_table
+
 DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
                     "bucketed:0.008", "bucketed:0.012", "reach:0.008")
 
@@ -173,33 +175,29 @@ def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | N
            n_params: int) -> None:
     """Medians over all steps; the extra over ``local`` is paired round by round (each
     round runs all variants back to back), so slow phases of the machine cancel."""
-    med = {v: [statistics.median([s[i] for r in rounds for s in r]) * 1e6 for i in range(4)]
-           for v, rounds in samples.items()}
 
     def round_totals(v: str) -> list[float]:
         return [statistics.median([s[1] + s[2] for s in r]) * 1e6 for r in samples[v]]
 
-    local = round_totals("local") if "local" in samples else None
-    rounds = len(next(iter(samples.values())))
-    print(f"{n_params} trainable parameters; {rounds} rounds; CPU µs of the main thread "
-          "(medians) unless marked wall; extra = (backward + finish) - local's, per "
-          "parameter, median of the rounds [quartiles]")
-    print("| variant | collectives | forward | backward | finish | backward + finish "
-          "| × local | extra per parameter | backward wall |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for v, (fwd, bwd, finish, wall) in med.items():
-        total = bwd + finish
-        ratio = extra = ""
-        if local is not None:
-            ratio = f"{statistics.median([t / l for t, l in zip(round_totals(v), local)]):.2f}"
-            diffs = [(t - l) / n_params for t, l in zip(round_totals(v), local)]
-            extra = f"{statistics.median(diffs):.1f}"
-            if len(diffs) >= 4:
-                q1, _, q3 = statistics.quantiles(diffs, n=4)
-                extra += f" [{q1:.1f}, {q3:.1f}]"
-        count = "?" if collectives[v] is None else collectives[v]
-        print(f"| {v} | {count} | {fwd:.0f} | {bwd:.0f} | {finish:.0f} | {total:.0f} | "
-              f"{ratio} | {extra} | {wall:.0f} |")
+    rows = []
+    for v, rounds in samples.items():
+        fwd, bwd, finish, wall = (statistics.median([s[i] for r in rounds for s in r]) * 1e6
+                                  for i in range(4))
+        row = {"variant": v, "collectives": "?" if collectives[v] is None else collectives[v],
+               "forward": fwd, "backward": bwd, "finish": finish, "backward + finish":
+               bwd + finish, "backward wall": wall}
+        if "local" in samples:
+            pairs = list(zip(round_totals(v), round_totals("local")))
+            row["× local"] = f"{statistics.median([t / loc for t, loc in pairs]):.2f}"
+            diffs = [(t - loc) / n_params for t, loc in pairs]
+            quartiles = statistics.quantiles(diffs, n=4) if len(diffs) >= 4 else None
+            row["extra per parameter"] = f"{statistics.median(diffs):.1f}" + (
+                f" [{quartiles[0]:.1f}, {quartiles[2]:.1f}]" if quartiles else "")
+        rows.append(row)
+    print(f"{n_params} trainable parameters; {len(next(iter(samples.values())))} rounds; CPU "
+          "µs of the main thread (medians) unless marked wall; extra = (backward + finish) - "
+          "local's, per parameter, median of the rounds [quartiles]")
+    print(markdown_table(rows, floatfmt=".0f"))
 
 
 def profile(variant: str, args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import tritonnorm
-from lab2bench.records import atomic_write_text
+from lab2bench.records import atomic_write_text, write_jsonl
 from lab2bench.report import markdown_table
 from lab2bench.timing import graph_time
 from tritonnorm.ops import OPTIONS, _prefer_torch
@@ -56,19 +56,14 @@ LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                 max_position_embeddings=2048, use_cache=False)
 
 
-def _sync():
-    torch.cuda.synchronize()
+_sync = torch.cuda.synchronize
 
 
-class Budget:
-    """Wall-clock seconds the run may take: a part not started before ``seconds`` have
-    passed is left out (and recorded as such), so the whole run stays under its limit."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.perf_counter() + seconds
-
-    def left(self) -> float:
-        return self.end - time.perf_counter()
+def budget(seconds: float):
+    """Seconds left of a wall-clock budget: a part not started in time is left out (and
+    recorded as such), so the whole run stays under its limit."""
+    end = time.perf_counter() + seconds
+    return lambda: end - time.perf_counter()
 
 
 def _eager_us(x, w, mode, offset, chain: int, rounds: int) -> float:
@@ -96,7 +91,7 @@ def _device_us(x, w, mode, offset) -> float:
     return graph_time(fn, warmup=2, repeats=10, backward=True).median * 1e6
 
 
-def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
+def crossover(quick: bool, log, left, reserve: float) -> list[dict]:
     hidden = HIDDEN[:2] if quick else HIDDEN
     rows_set = ROWS[:1] if quick else ROWS
     chain, rounds = (10, 2) if quick else (30, 3)
@@ -104,7 +99,7 @@ def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
     for dname, dtype in DTYPES.items():
         for h in hidden:
             for rows in rows_set:
-                if budget.left() < reserve:  # keep the time part (b) needs
+                if left() < reserve:  # keep the time part (b) needs
                     rec = {"part": "crossover", "dtype": dname, "hidden": h, "rows": rows,
                            "skipped": "out of time"}
                     log(rec)
@@ -196,7 +191,7 @@ def _paired(a, b, window: int, rounds: int, warmup: int) -> dict:
             "ratio_a_over_b": statistics.median(ratios), "rounds": rounds, "window": window}
 
 
-def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dict]:
+def llama_steps(quick: bool, compile_too: bool, log, left) -> list[dict]:
     batch, seq = (2, 128) if quick else (8, 1024)
     ids = torch.randint(0, 32000, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
@@ -204,7 +199,7 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
     out = []
 
     def pair(name_a, make_a, name_b, make_b, compiled=False, needs=30.0):
-        if budget.left() < needs:
+        if left() < needs:
             rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": "out of time"}
             log(rec)
             out.append(rec)
@@ -291,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
            "tritonnorm": tritonnorm.__version__, "torch_below": dict(OPTIONS.torch_below)}
     records: list[dict] = []
     t0 = time.perf_counter()
-    budget = Budget(args.budget_s)
+    left = budget(args.budget_s)
     # What part (b) needs: two eager pairs, and the compiled pair's two compilations.
     reserve = 0.0 if "llama" in args.skip else 60.0 + (0.0 if args.no_compile else 150.0)
 
@@ -299,12 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
 
     if "crossover" not in args.skip:
-        records += crossover(args.quick, log, budget, reserve)
+        records += crossover(args.quick, log, left, reserve)
     if "llama" not in args.skip:
-        records += llama_steps(args.quick, not args.no_compile, log, budget)
+        records += llama_steps(args.quick, not args.no_compile, log, left)
     env["seconds"] = round(time.perf_counter() - t0, 1)
-    jsonl = "".join(json.dumps({**r, "env": env}) + "\n" for r in records)
-    atomic_write_text(args.out / "h200_hf.jsonl", jsonl)
+    write_jsonl(args.out / "h200_hf.jsonl", [{**r, "env": env} for r in records])
     atomic_write_text(args.out / "h200_hf.md", markdown(records, env))
     print(f"wrote {args.out / 'h200_hf.jsonl'} and {args.out / 'h200_hf.md'} "
           f"in {env['seconds']} s", file=sys.stderr)

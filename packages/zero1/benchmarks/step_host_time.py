@@ -151,8 +151,11 @@ def main() -> None:
         results = mp.get_context("spawn").SimpleQueue()
         with tempfile.TemporaryDirectory() as tmp:
             init = "file://" + os.path.join(tmp, "rendezvous")
-            mp.spawn(bench_rank, args=(ws, spec, init, results), nprocs=ws)
-        per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
+            ranks = mp.spawn(bench_rank, args=(ws, spec, init, results), nprocs=ws, join=False)
+            # Read before joining: a rank's put blocks until its result is read.
+            per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
+            while not ranks.join():
+                pass
         for name in per_rank[0]:
             wall = _median_us(per_rank, name, "wall")
             cpu = _median_us(per_rank, name, "cpu")
