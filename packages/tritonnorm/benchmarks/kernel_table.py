@@ -28,18 +28,8 @@ import os
 import sys
 from pathlib import Path
 
+import impls
 import torch
-from impls import (
-    DTYPES,
-    IMPLS,
-    OURS,
-    SLOW_SETUP,
-    Unavailable,
-    parse_dtypes,
-    parse_impls,
-    parse_ints,
-    short,
-)
 
 from lab2bench.bandwidth import copy_bandwidth
 from lab2bench.env import env_info
@@ -93,11 +83,11 @@ def norm_cell(name: str, x, w, b, timer: Timer, timings: list[str]) -> list[dict
     """One implementation on one input: its error against float64, then per timing its
     forward and forward+backward times; a row with ``note`` where it could not run."""
     try:
-        fn = IMPLS[name](w, b)
+        fn = impls.IMPLS[name](w, b)
         with torch.no_grad():
             y = fn(x[:CHECK_ROWS], w, b)
     except Exception as err:  # Unavailable, or an implementation's limit (Liger's H)
-        note = str(err) if isinstance(err, Unavailable) else short(err)
+        note = str(err) if isinstance(err, impls.Unavailable) else impls.short(err)
         return [{"impl": name, "timing": "/".join(timings), "note": note}]
     err = rel_err(y, reference(x[:CHECK_ROWS], w, b, name != "F.layer_norm"))
     xg = x.detach().requires_grad_(True)
@@ -119,7 +109,7 @@ def norm_cell(name: str, x, w, b, timer: Timer, timings: list[str]) -> list[dict
             row["fwd_ms"] = timer(timing, forward) * 1e3
             row["fwdbwd_ms"] = timer(timing, forward_backward, backward=True) * 1e3
         except Exception as e:  # a graph capture an implementation does not support
-            row = {"impl": name, "timing": timing, "note": short(e)}
+            row = {"impl": name, "timing": timing, "note": impls.short(e)}
             if x.is_cuda:
                 torch.cuda.synchronize()
         rows.append(row)
@@ -190,20 +180,21 @@ def add_bandwidth(row: dict, fwd_bytes: int, fwdbwd_bytes: int, bw: float) -> No
 def add_ratios(cell: list[dict]) -> None:
     """``*_vs_best`` on tritonnorm's rows: the fastest alternative's time / this time."""
     for key in ("fwd_ms", "fwdbwd_ms"):
-        alts = [r[key] for r in cell if r["impl"] not in OURS and key in r]
+        alts = [r[key] for r in cell if r["impl"] not in impls.OURS and key in r]
         for r in cell:
-            if alts and r["impl"] in OURS and key in r:
+            if alts and r["impl"] in impls.OURS and key in r:
                 r[key.replace("_ms", "_vs_best")] = min(alts) / r[key]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", type=parse_impls, help=f"comma-separated: {', '.join(IMPLS)} "
-                   "(default: all but tritonnorm.rms_norm; --quick: also not compile-naive)")
-    p.add_argument("--dtype", type=parse_dtypes, help="default float32,bfloat16,float16")
-    p.add_argument("--hidden", type=parse_ints, help="hidden sizes H (default "
+    p.add_argument("--impl", type=impls.parse_impls, help="comma-separated: "
+                   f"{', '.join(impls.IMPLS)} (default: all but tritonnorm.rms_norm; "
+                   "--quick: also not compile-naive)")
+    p.add_argument("--dtype", type=impls.parse_dtypes, help="default float32,bfloat16,float16")
+    p.add_argument("--hidden", type=impls.parse_ints, help="hidden sizes H (default "
                    f"{','.join(map(str, HIDDEN))} and the long rows)")
-    p.add_argument("--rows", type=parse_ints, help=f"numbers of rows (default {ROWS})")
+    p.add_argument("--rows", type=impls.parse_ints, help=f"numbers of rows (default {ROWS})")
     p.add_argument("--no-large", action="store_true", help=f"leave out the long rows "
                    f"({LARGE_ROWS} x {LARGE_HIDDEN}, {LARGE_DTYPE})")
     p.add_argument("--timing", choices=("eager", "graph", "both"),
@@ -225,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if timing != "eager" and device.type != "cuda":
         p.error("--timing graph/both needs a CUDA device")
     timings = ["eager", "graph"] if timing == "both" else [timing]
-    names = args.impl or [n for n in IMPLS if n != "tritonnorm.rms_norm"
-                          and not (args.quick and n in SLOW_SETUP)]
+    names = args.impl or [n for n in impls.IMPLS if n != "tritonnorm.rms_norm"
+                          and not (args.quick and n in impls.SLOW_SETUP)]
     rows_set = args.rows or [QUICK_ROWS if args.quick else ROWS]
     hidden = args.hidden or (QUICK_HIDDEN if args.quick else
                              FUSED_ADD_HIDDEN if args.fused_add else HIDDEN)
     dtypes = args.dtype or (["float32"] if args.quick else
-                            list(FUSED_ADD_DTYPES if args.fused_add else DTYPES))
+                            list(FUSED_ADD_DTYPES if args.fused_add else impls.DTYPES))
     cells = [(d, h, n) for d in dtypes for h in hidden for n in rows_set]
     if not (args.quick or args.fused_add or args.hidden or args.rows or args.no_large) \
             and LARGE_DTYPE in dtypes:
@@ -252,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name, h, n in progress(cells, description="norm"):
         # Drawn on the device, random weights (never ones: they would hide weight bugs).
         randn = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
-        dtype, size = DTYPES[dtype_name], n * h * DTYPES[dtype_name].itemsize
+        dtype, size = impls.DTYPES[dtype_name], n * h * impls.DTYPES[dtype_name].itemsize
         x = randn(n, h).to(dtype)
         w = (0.5 + torch.rand(h, generator=gen, device=device)).to(dtype)
         if args.fused_add:
@@ -278,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             elif row.get("rel_err") is not None and row["rel_err"] > TOLERANCE[dtype_name] * (
                     10 if row["impl"] == "F.layer_norm" else 1):
                 notes.append(f"{row['impl']} at {dtype_name} H={h}: error {row['rel_err']:.1e}")
-                fails += row["impl"] in OURS
+                fails += row["impl"] in impls.OURS
             if recorder:
                 recorder.record("norm", {k: row[k] for k in ("dtype", "H", "rows", "impl",
                                                              "timing")} | {"device": str(device)},

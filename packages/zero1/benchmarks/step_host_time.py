@@ -28,7 +28,6 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,16 +36,7 @@ import torch.multiprocessing as mp
 VARIANTS = ("plain", "sharded", "sharded-loop", "zero")
 
 
-@dataclass
-class Spec:
-    layers: int
-    width: int
-    warmup: int
-    steps: int
-    rounds: int
-
-
-def build_model(spec: Spec) -> torch.nn.Module:
+def build_model(spec: argparse.Namespace) -> torch.nn.Module:
     """``layers`` x (Linear(width, width) + LayerNorm(width)): four tensors per layer."""
     torch.manual_seed(0)
     mods: list[torch.nn.Module] = []
@@ -92,7 +82,7 @@ def _local_step_timer(opt: torch.optim.Optimizer, sink: list[float]) -> None:
     local.step = timed
 
 
-def bench_rank(rank: int, world_size: int, spec: Spec, init: str, results) -> None:
+def bench_rank(rank: int, world_size: int, spec: argparse.Namespace, init: str, results) -> None:
     """One rank (``torch.multiprocessing.spawn``'s target): the timings of every variant,
     put on ``results`` as ``(rank, {variant: {"wall"|"cpu"|"local": [seconds]}})``."""
     torch.set_num_threads(1)
@@ -138,12 +128,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    spec = Spec(args.layers, args.width, args.warmup, args.steps, args.rounds)
-    model = build_model(spec)
+    model = build_model(args)
     n_tensors = len(list(model.parameters()))
     n_elems = sum(p.numel() for p in model.parameters())
     print(f"{n_tensors} parameter tensors, {n_elems:,} elements; torch {torch.__version__}; "
-          f"{spec.rounds} rounds x {spec.steps} steps (after {spec.warmup} warm-up), "
+          f"{args.rounds} rounds x {args.steps} steps (after {args.warmup} warm-up), "
           "1 thread per rank\n")
     print("| world size | variant | wall µs/step | CPU µs/step | local step µs |")
     print("|---:|---|---:|---:|---:|")
@@ -151,7 +140,7 @@ def main() -> None:
         results = mp.get_context("spawn").SimpleQueue()
         with tempfile.TemporaryDirectory() as tmp:
             init = "file://" + os.path.join(tmp, "rendezvous")
-            ranks = mp.spawn(bench_rank, args=(ws, spec, init, results), nprocs=ws, join=False)
+            ranks = mp.spawn(bench_rank, args=(ws, args, init, results), nprocs=ws, join=False)
             # Read before joining: a rank's put blocks until its result is read.
             per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
             while not ranks.join():

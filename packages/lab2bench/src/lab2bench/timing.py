@@ -146,17 +146,10 @@ def _warm_up(fn: Callable[[], Any], warmup: int, repeats: int, dev: torch.device
     return grad
 
 
-def measure(
-    fn: Callable[[], Any],
-    *,
-    warmup: int = 3,
-    repeats: int = 10,
-    device: torch.device | str | None = None,
-    flush_l2: bool = False,
-    backward: bool = False,
-    grad: torch.Tensor | None = None,
-    clock: Callable[[], float] | None = None,
-) -> Stats:
+def measure(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10,
+            device: torch.device | str | None = None, flush_l2: bool = False,
+            backward: bool = False, grad: torch.Tensor | None = None,
+            clock: Callable[[], float] | None = None) -> Stats:
     """Time ``fn()`` eagerly: ``warmup`` untimed calls, then ``repeats`` timed ones.
 
     On CUDA each timed call sits between two CUDA events; the calls are queued back to
@@ -214,16 +207,9 @@ def measure(
     return Stats.from_samples(samples)
 
 
-def graph_time(
-    fn: Callable[[], Any],
-    *,
-    warmup: int = 3,
-    repeats: int = 10,
-    device: torch.device | str | None = None,
-    flush_l2: bool = False,
-    backward: bool = False,
-    grad: torch.Tensor | None = None,
-) -> Stats:
+def graph_time(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10,
+               device: torch.device | str | None = None, flush_l2: bool = False,
+               backward: bool = False, grad: torch.Tensor | None = None) -> Stats:
     """Time replays of a CUDA graph of one call of ``fn()`` (with its backward): the
     device time of the call's kernels, without the host's Python and launch overhead.
 
