@@ -24,9 +24,8 @@ callable, ``list.append``: the cost of calling into Python at all, without a Pyt
 ``tensor_hook`` (``Tensor.register_hook``, before accumulation) and ``multi_grad_all:K``
 (``torch.autograd.graph.register_multi_grad_hook(mode="all")`` over buckets of K
 parameters: one call per bucket, but a Python hook installed on every tensor underneath).
-The default
-caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
-cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
+The default caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the
+way 25 MB cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
 buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
 the cap (50 here, 50 for medium), as ``reach:0.008`` does. ``bucketed:0.012`` has
 PyTorch's count (49) by a larger cap.
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab2bench.profiling import profile as lab2bench_profile
 from lab2bench.report import markdown_table
 
 DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
@@ -170,7 +170,6 @@ def measure(variants: list[str], args: argparse.Namespace
     return samples, collectives
 
 
-
 def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | None],
            n_params: int) -> None:
     """Medians over all steps; the extra over ``local`` is paired round by round (each
@@ -200,20 +199,18 @@ def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | N
     print(markdown_table(rows, floatfmt=".0f"))
 
 
-def profile(variant: str, args: argparse.Namespace) -> None:
-    """The torch profiler's view of a few backward passes: where the host time goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+def profile(variant: str, args: argparse.Namespace, out_dir: str) -> None:
+    """The torch profiler's table of a few steps: where the host time goes."""
     model = build_model(args.blocks, args.width)
     runner, finish = wrap(variant, model)
     x = torch.randn(args.batch, args.width)
     for _ in range(args.warmup):
         one_step(model, runner, finish, x)
-    with torch_profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+    with lab2bench_profile(out_dir, device="cpu", with_stack=False, record_shapes=False,
+                           row_limit=args.rows) as prof:
         for _ in range(args.steps):
             one_step(model, runner, finish, x)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print(prof.table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                                 rank=0, world_size=1)
         try:
             if args.profile:
-                profile(args.profile, args)
+                profile(args.profile, args, tmp)
             else:
                 n = sum(p.numel() > 0 for p in build_model(args.blocks, args.width).parameters())
                 print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "

@@ -6,9 +6,9 @@ of about 1B parameters, in one run of under 6 minutes.
 (a) **Crossover.** For H in {512 ... 8192} x rows in {8*512, 32*512, 50,000} x {bf16,
     float32} x variant (plain, gemma = offset 1, no weight), and for each path
     (``OPTIONS.eager_dispatch`` forced to "kernels", then "torch"): the eager time of one
-    forward+backward call (a chain of calls issued back to back, one synchronisation at the
-    end: host time where the call is host-bound, device time where not), and the device
-    time of one call graph-timed (``lab2bench.timing.graph_time``). The
+    forward+backward call (``lab2bench.timing.measure``: calls issued back to back, host time
+    where the call is host-bound, device time where not), and the device time of one call
+    graph-timed (``graph_time``). The
     "auto" column says which path the current ``OPTIONS.torch_below`` picks; ``best`` says
     which eager time is lower. Set ``torch_below`` to the element count where ``best``
     turns from torch to kernels, per dtype.
@@ -40,7 +40,7 @@ import torch
 import tritonnorm
 from lab2bench.records import atomic_write_text, write_jsonl
 from lab2bench.report import markdown_table
-from lab2bench.timing import graph_time
+from lab2bench.timing import graph_time, measure
 from tritonnorm.ops import OPTIONS, _prefer_torch
 
 HIDDEN = (512, 1024, 2048, 4096, 8192)
@@ -66,35 +66,22 @@ def budget(seconds: float):
     return lambda: end - time.perf_counter()
 
 
-def _eager_us(x, w, mode, offset, chain: int, rounds: int) -> float:
-    """Median over rounds of (wall time of ``chain`` fwd+bwd calls) / chain, in µs."""
-    grad = torch.ones_like(x)
-    times = []
-    for _ in range(rounds + 1):  # the first round warms up
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(chain):  # a fresh leaf each call, its gradient freed by the next
-            xi = x.detach().requires_grad_()
-            y = tritonnorm.rms_norm(xi, w, 1e-6, casting_mode=mode, offset=offset)
-            y.backward(grad)
-        _sync()
-        times.append((time.perf_counter() - t0) / chain * 1e6)
-    return statistics.median(times[1:])
-
-
-def _device_us(x, w, mode, offset) -> float:
+def _call_us(x, w, mode, offset, timer, repeats: int) -> float:
+    """Median µs of one fwd+bwd call, timed by ``timer``: ``measure`` (calls queued back to
+    back: host time where the call is host-bound, device time where not) or ``graph_time``."""
     xg = x.detach().requires_grad_()
 
     def fn():
+        xg.grad = None  # as a fresh leaf's, freed by the next call
         return tritonnorm.rms_norm(xg, w, 1e-6, casting_mode=mode, offset=offset)
 
-    return graph_time(fn, warmup=2, repeats=10, backward=True).median * 1e6
+    return timer(fn, warmup=max(2, repeats // 3), repeats=repeats, backward=True).median * 1e6
 
 
 def crossover(quick: bool, log, left, reserve: float) -> list[dict]:
     hidden = HIDDEN[:2] if quick else HIDDEN
     rows_set = ROWS[:1] if quick else ROWS
-    chain, rounds = (10, 2) if quick else (30, 3)
+    repeats = 10 if quick else 30
     out = []
     for dname, dtype in DTYPES.items():
         for h in hidden:
@@ -113,9 +100,10 @@ def crossover(quick: bool, log, left, reserve: float) -> list[dict]:
                            "elements": rows * h, "variant": vname}
                     for path in ("kernels", "torch"):
                         with OPTIONS.override(eager_dispatch=path):
-                            rec[f"{path}_eager_us"] = _eager_us(x, w, mode, offset, chain,
-                                                                rounds)
-                            rec[f"{path}_device_us"] = _device_us(x, w, mode, offset)
+                            rec[f"{path}_eager_us"] = _call_us(x, w, mode, offset, measure,
+                                                               repeats)
+                            rec[f"{path}_device_us"] = _call_us(x, w, mode, offset, graph_time,
+                                                                10)
                     with OPTIONS.override(eager_dispatch="auto"):
                         rec["auto_picks"] = "torch" if _prefer_torch(x) else "kernels"
                     rec["best"] = ("kernels" if rec["kernels_eager_us"] <= rec["torch_eager_us"]

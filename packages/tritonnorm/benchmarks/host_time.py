@@ -3,28 +3,26 @@
     python packages/tritonnorm/benchmarks/host_time.py --device cuda    # bf16, 64 x 1,024
     python packages/tritonnorm/benchmarks/host_time.py --quick          # CPU smoke run
 
-Inside a model a norm's kernels are short, so a step can be limited by the time the host
-needs to issue them: Python, autograd's bookkeeping and the launch path. This measures that
-time on inputs small enough (64 × H) that the device never limits, with
-``time.perf_counter`` from a synchronised start to one synchronisation after the last call:
+Inside a model a norm's kernels are short, so a step can be limited by the host's time to
+issue them (Python, autograd, the launch path). Inputs are small (64 × H) so that the device
+never limits; each figure is ``time.perf_counter`` from a synchronised start to one
+synchronisation after the last call, divided by the N calls of a chain:
 
-- **fwd**: a chain of N calls, each on the previous output and with a weight leaf of its own
-  (as every norm of a model has its own weight), with autograd recording, so what the
-  implementation saves for backward is counted. Figure: time / N.
-- **bwd**: one ``backward(g)`` of that chain: the N backward nodes and the weights' N
-  ``AccumulateGrad`` (into ``.grad`` set to None, as after ``zero_grad``). The engine's fixed
-  cost per ``backward()`` is paid once per chain, as once per training step; the row
-  ``x * w, own backward()`` pays it per call, so its difference from ``x * w`` estimates it.
-- **no-grad fwd**: the chain under ``torch.no_grad()`` (the inference path).
+- **fwd**: N calls, each on the previous output with a weight leaf of its own (as every norm
+  of a model has), autograd recording, so what is saved for backward is counted;
+- **bwd**: one ``backward(g)`` of that chain: N backward nodes and N ``AccumulateGrad`` into
+  ``.grad`` set to None. The engine's fixed cost per ``backward()`` is paid once per chain, as
+  once per step; ``x * w, own backward()`` pays it per call (its difference from ``x * w``
+  estimates it);
+- **no-grad fwd**: the chain under ``torch.no_grad()``.
 
-(Timing fresh one-call graphs minus the forward alone subtracts two noisy figures and pays
-the engine's fixed cost per call; repeating ``autograd.grad(retain_graph=True)`` also keeps
-the saved tensors and writes no ``.grad``.) Each round times every implementation once, in
-an order rotated by one each round, after untimed warm-up rounds; the figures are medians
-over rounds, so a noisy spell of a shared machine hits all alike. The baseline ``x * w`` (one
-aten op, whose backward also reduces the weight's gradient) calibrates the host's speed:
-``÷ op`` = fwd+bwd / the op's, comparable across machines; ``×F.rms_norm`` = F.rms_norm's
-fwd+bwd / this one (>1: cheaper on the host). On the CPU the figures include the arithmetic.
+(Timing fresh one-call graphs would pay the engine's fixed cost per call; repeating
+``autograd.grad(retain_graph=True)`` keeps the saved tensors and writes no ``.grad``.)
+
+Each round times every implementation once, in an order rotated each round, after warm-up
+rounds; figures are medians over rounds. ``x * w`` (one aten op) calibrates the host:
+``÷ op`` = fwd+bwd / the op's; ``×F.rms_norm`` = F.rms_norm's fwd+bwd / this one (>1:
+cheaper on the host). On the CPU the figures include the arithmetic.
 """
 
 from __future__ import annotations
