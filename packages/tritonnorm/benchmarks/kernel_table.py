@@ -67,19 +67,27 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, is_rms: bool) -
     return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, 1e-5)
 
 
-class Timer:
-    """Median seconds of a call, timed the way ``--timing`` says, on the run's device."""
-
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        self.kw = dict(warmup=args.warmup, repeats=args.repeats, device=device,
-                       flush_l2=device.type == "cuda")
-
-    def __call__(self, timing: str, fn, backward: bool = False) -> float:
+def timed_rows(name: str, timings: list[str], args: argparse.Namespace, device: torch.device,
+               err: float | None, **phases) -> list[dict]:
+    """One row per timing: the median ms of each phase (``phases``: name -> (fn, whether
+    the backward of fn's output is timed too)), or a ``note`` where timing failed."""
+    kw = dict(warmup=args.warmup, repeats=args.repeats, device=device,
+              flush_l2=device.type == "cuda")
+    rows = []
+    for timing in timings:
         timer = graph_time if timing == "graph" else measure
-        return timer(fn, backward=backward, **self.kw).median
+        try:
+            rows.append({"impl": name, "timing": timing, "rel_err": err} | {
+                f"{phase}_ms": timer(fn, backward=backward, **kw).median * 1e3
+                for phase, (fn, backward) in phases.items()})
+        except Exception as e:  # a graph capture an implementation does not support
+            rows.append({"impl": name, "timing": timing, "note": impls.short(e)})
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return rows
 
 
-def norm_cell(name: str, x, w, b, timer: Timer, timings: list[str]) -> list[dict]:
+def norm_cell(name: str, x, w, b, timings: list[str], args) -> list[dict]:
     """One implementation on one input: its error against float64, then per timing its
     forward and forward+backward times; a row with ``note`` where it could not run."""
     try:
@@ -102,24 +110,15 @@ def norm_cell(name: str, x, w, b, timer: Timer, timings: list[str]) -> list[dict
             t.grad = None
         return fn(xg, w, b)
 
-    rows = []
-    for timing in timings:
-        row = {"impl": name, "timing": timing, "rel_err": err}
-        try:
-            row["fwd_ms"] = timer(timing, forward) * 1e3
-            row["fwdbwd_ms"] = timer(timing, forward_backward, backward=True) * 1e3
-        except Exception as e:  # a graph capture an implementation does not support
-            row = {"impl": name, "timing": timing, "note": impls.short(e)}
-            if x.is_cuda:
-                torch.cuda.synchronize()
-        rows.append(row)
+    rows = timed_rows(name, timings, args, x.device, err, fwd=(forward, False),
+                      fwdbwd=(forward_backward, True))
     for t in (w, b):
         t.requires_grad_(False)
         t.grad = None
     return rows
 
 
-def fused_add_cell(name: str, x, r, w, dy, ds, timer: Timer, timings: list[str]) -> list[dict]:
+def fused_add_cell(name: str, x, r, w, dy, ds, timings: list[str], args) -> list[dict]:
     """``fused_add_rms_norm`` (or torch.compile of x + r then ``nn.RMSNorm``): forward and
     forward+backward through autograd; tritonnorm's rows carry their error against float64."""
     w.requires_grad_(True)
@@ -142,32 +141,35 @@ def fused_add_cell(name: str, x, r, w, dy, ds, timer: Timer, timings: list[str])
         fn, err = torch.compile(add_norm), None
     xg, rg = (t.detach().requires_grad_() for t in (x, r))
 
+    def forward():
+        with torch.no_grad():
+            return fn(x, r)
+
     def forward_backward():
         for t in (xg, rg, w):
             t.grad = None
         torch.autograd.backward(fn(xg, rg), (dy, ds))
 
-    rows = []
-    for timing in timings:
-        with torch.no_grad():
-            f = timer(timing, lambda: fn(x, r))
-        rows.append({"impl": name, "timing": timing, "rel_err": err, "fwd_ms": f * 1e3,
-                     "fwdbwd_ms": timer(timing, forward_backward) * 1e3})
+    rows = timed_rows(name, timings, args, x.device, err, fwd=(forward, False),
+                      fwdbwd=(forward_backward, False))
     w.requires_grad_(False)
     w.grad = None
     return rows
 
 
-def kernels_row(x, r, w, dy, ds, timer: Timer, fwd_bytes: int, bwd_bytes: int, bw: float,
-                timing: str) -> dict:
-    """The fused add's forward and backward kernels, each timed alone."""
+def kernels_row(x, r, w, dy, ds, timings: list[str], args, fwd_bytes: int, bwd_bytes: int,
+                bw: float) -> dict:
+    """The fused add's forward and backward kernels, each timed alone (the last timing)."""
     w = w.detach()
     _, s, rstd = ops.fused_add_rms_norm_fwd(x, r, w, 1e-5)
-    f = timer(timing, lambda: ops.fused_add_rms_norm_fwd(x, r, w, 1e-5))
-    b = timer(timing, lambda: ops.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype))
-    return {"impl": "tritonnorm kernels", "timing": timing, "fwd_ms": f * 1e3,
-            "fwd_pct": 100 * fwd_bytes / f / bw, "bwd_ms": b * 1e3,
-            "bwd_pct": 100 * bwd_bytes / b / bw}
+    row = timed_rows("tritonnorm kernels", timings[-1:], args, x.device, None,
+                     fwd=(lambda: ops.fused_add_rms_norm_fwd(x, r, w, 1e-5), False),
+                     bwd=(lambda: ops.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype),
+                          False))[0]
+    if "note" not in row:
+        for key, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
+            row[f"{key}_pct"] = 100 * nbytes / (row[f"{key}_ms"] / 1e3) / bw
+    return row
 
 
 def add_bandwidth(row: dict, fwd_bytes: int, fwdbwd_bytes: int, bw: float) -> None:
@@ -237,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     if recorder:
         recorder.record("norm", {"impl": "copy", "device": str(device)},
                         {"status": "ok", "copy_gbps": bw / 1e9})
-    timer = Timer(args, device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     table, kernels, notes, fails = [], [], [], 0
     for dtype_name, h, n in progress(cells, description="norm"):
@@ -250,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             r, dy, ds = (randn(n, h).to(dtype) for _ in range(3))
             fwd_bytes, bwd_bytes = 4 * size, 4 * size
             cell = [row for name in names for row in fused_add_cell(
-                name, x, r, w, dy, ds, timer, timings)]
+                name, x, r, w, dy, ds, timings, args)]
             if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
                 kernels.append({"dtype": dtype_name, "H": h, "rows": n, **kernels_row(
-                    x, r, w, dy, ds, timer, fwd_bytes, bwd_bytes, bw, timings[-1])})
+                    x, r, w, dy, ds, timings, args, fwd_bytes, bwd_bytes, bw)})
         else:
             b = (0.1 * randn(h)).to(dtype)
             fwd_bytes, bwd_bytes = 2 * size, 3 * size
-            cell = [row for name in names for row in norm_cell(name, x, w, b, timer, timings)]
+            cell = [row for name in names for row in norm_cell(name, x, w, b, timings, args)]
         for t in timings:
             add_ratios([r for r in cell if r["timing"] == t])
         for row in cell:
