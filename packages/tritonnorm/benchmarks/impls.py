@@ -7,6 +7,7 @@ it cannot. Liger-Kernel is imported only when asked for.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -75,29 +76,23 @@ IMPLS = {
 }
 
 
-def parse_impls(text: str) -> list[str]:
-    """``--impl a,b``: names of ``IMPLS``, in order, each once."""
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in IMPLS]
-    if unknown:
-        raise ValueError(f"unknown impl {', '.join(unknown)}; use {', '.join(IMPLS)}")
-    return names
+def comma_list(choices=None):
+    """An argparse type: comma-separated values, in order, each once; names among
+    ``choices``, or positive integers without ``choices`` (``--hidden 1024,2048``)."""
+
+    def parse(text: str) -> list:
+        values = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        if choices is None:
+            values = [int(v) for v in values]
+        if not values or any(v not in choices if choices else v < 1 for v in values):
+            use = ", ".join(choices or ["positive integers"])
+            raise argparse.ArgumentTypeError(f"{text!r}: use {use}")
+        return values
+
+    return parse
 
 
-def parse_ints(text: str) -> list[int]:
-    """``--hidden 1024,2048``: positive integers."""
-    values = [int(t) for t in text.split(",")]
-    if min(values) < 1:
-        raise ValueError(f"expected positive integers, got {text}")
-    return values
-
-
-def parse_dtypes(text: str) -> list[str]:
-    """``--dtype float32,bfloat16``: names of ``DTYPES``."""
-    names = text.split(",")
-    if not set(names) <= set(DTYPES):
-        raise ValueError(f"unknown dtype in {text}; use {', '.join(DTYPES)}")
-    return names
+parse_impls, parse_dtypes, parse_ints = comma_list(IMPLS), comma_list(DTYPES), comma_list()
 
 
 def short(err: BaseException, limit: int = 300) -> str:

@@ -146,11 +146,9 @@ def main() -> None:
             while not ranks.join():
                 pass
         for name in per_rank[0]:
-            wall = _median_us(per_rank, name, "wall")
-            cpu = _median_us(per_rank, name, "cpu")
-            local = _median_us(per_rank, name, "local")
-            local_s = f"{local:,.0f}" if local is not None else "-"
-            print(f"| {ws} | {name} | {wall:,.0f} | {cpu:,.0f} | {local_s} |", flush=True)
+            us = (_median_us(per_rank, name, key) for key in ("wall", "cpu", "local"))
+            print(f"| {ws} | {name} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in us)
+                  + " |", flush=True)
 
 
 if __name__ == "__main__":
