@@ -128,21 +128,6 @@ def _llama(quick: bool):
         return transformers.LlamaForCausalLM(config)
 
 
-def _liger_patch(model) -> str | None:
-    """Liger-Kernel's RMSNorm patch alone on ``model``; None, or why it could not run."""
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-    except ImportError as err:
-        return f"liger_kernel does not import ({err})"
-    try:
-        apply_liger_kernel_to_llama(rope=False, cross_entropy=False,
-                                    fused_linear_cross_entropy=False, rms_norm=True,
-                                    swiglu=False, model=model)
-    except Exception as err:  # noqa: BLE001 - another Liger or transformers: say so
-        return f"apply_liger_kernel_to_llama failed: {err}"
-    return None
-
-
 def _stepper(model, ids, compiled: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     fwd = torch.compile(model) if compiled else model
@@ -216,17 +201,25 @@ def llama_steps(quick: bool, compile_too: bool, log, left) -> list[dict]:
         return model
 
     def liger():
-        # Liger's patch also replaces LlamaRMSNorm in transformers' module: undo that at
-        # once, so that the models built after this one keep Hugging Face's norm.
+        """Liger-Kernel's RMSNorm patch alone, or why it could not run. The patch also
+        replaces LlamaRMSNorm in transformers' module: undone at once, so that the models
+        built after this one keep Hugging Face's norm."""
         from transformers.models.llama import modeling_llama
 
-        original = modeling_llama.LlamaRMSNorm
-        model = _llama(quick)
         try:
-            why_not = _liger_patch(model)
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as err:
+            return f"liger_kernel does not import ({err})"
+        original, model = modeling_llama.LlamaRMSNorm, _llama(quick)
+        try:
+            apply_liger_kernel_to_llama(rope=False, cross_entropy=False, rms_norm=True,
+                                        fused_linear_cross_entropy=False, swiglu=False,
+                                        model=model)
+        except Exception as err:  # noqa: BLE001 - another Liger or transformers: say so
+            return f"apply_liger_kernel_to_llama failed: {err}"
         finally:
             modeling_llama.LlamaRMSNorm = original
-        return model if why_not is None else why_not
+        return model
 
     pair("unswapped", unswapped, "tritonnorm", swapped)
     if compile_too:
