@@ -84,8 +84,7 @@ def tests_gloo(session: nox.Session, world_size: int) -> None:
 
 
 #: What each member's wheel is installed with for its smoke test (testing/smoke/).
-#: tritonnorm's bench extra brings lab2bench (from the dist folder), for its `norm` suite.
-SMOKE_EXTRAS = {"tritonnorm": "interpret,bench"}
+SMOKE_EXTRAS = {"tritonnorm": "interpret"}
 #: Environment of each smoke test: tritonnorm's runs its kernels under Triton's interpreter.
 SMOKE_ENV = {"tritonnorm": {"TRITON_INTERPRET": "1"}}
 #: Console scripts checked in each wheel's environment.

@@ -2,15 +2,11 @@
 tensors under Triton's interpreter, against the formula in plain PyTorch.
 
 Run it as ``TRITON_INTERPRET=1 python smoke_tritonnorm.py`` in an environment with
-``tritonnorm[interpret]`` installed (the interpreter needs numpy). Where ``tritonnorm[bench]``
-is installed too, ``lab2bench norm --quick`` runs tritonnorm's suite.
+``tritonnorm[interpret]`` installed (the interpreter needs numpy).
 """
 
-import importlib.util
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -32,15 +28,3 @@ torch.testing.assert_close(x.grad, x_ref.grad)
 torch.testing.assert_close(w.grad, w_ref.grad)
 print(f"tritonnorm {tritonnorm.__version__}: Triton forward and backward under the interpreter ok")
 
-if importlib.util.find_spec("lab2bench") is not None:  # tritonnorm[bench]
-    import lab2bench
-    from lab2bench.cli import main
-
-    with tempfile.TemporaryDirectory() as out:
-        assert main(["norm", "--quick", "--impl", "tritonnorm,torch-naive,F.rms_norm",
-                     "--hidden", "64", "--rows", "8", "--out", out]) == 0
-        rows = lab2bench.read_records(Path(out) / "norm.jsonl", suite="norm")
-        ours = [r for r in rows if r["config"]["impl"] == "tritonnorm"]
-        assert ours and ours[0]["metrics"]["status"] == "ok", ours
-    print(f"tritonnorm[bench] with lab2bench {lab2bench.__version__}: "
-          "`lab2bench norm --quick` ok")

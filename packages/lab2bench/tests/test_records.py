@@ -43,7 +43,7 @@ def test_recorder_lines_parse_back(tmp_path):
     rec2.record("norm", {"H": 1}, {"x": 1})
     assert len(read_records(path)) == 3
     assert len(read_records(path, run_id=rec2.run_id)) == 1
-    final = rec2.write_final(tmp_path / "final.jsonl")
+    final = lab2bench.write_jsonl(tmp_path / "final.jsonl", rec2.records)
     assert [r["config"] for r in read_records(final)] == [{"H": 1}]
 
 

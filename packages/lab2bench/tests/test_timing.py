@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import lab2bench
 from lab2bench import Stats, measure
+from lab2bench.timing import graph_time
 
 
 class FakeClock:
@@ -199,12 +200,12 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         measure(lambda: None, device="cuda")
 
 
-def test_cuda_graph_needs_cuda_and_no_clock():
-    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
-        measure(lambda: None, device="cpu", cuda_graph=True)
+def test_graph_time_needs_cuda_and_takes_no_clock():
+    with pytest.raises(ValueError, match="graph_time needs a CUDA device"):
+        graph_time(lambda: None, device="cpu")
     clock = FakeClock([0.0] * 10)
-    with pytest.raises(ValueError, match="and a clock"):
-        measure(clock.work, clock=clock, cuda_graph=True)
+    with pytest.raises(TypeError, match="clock"):
+        graph_time(clock.work, clock=clock)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -217,7 +218,7 @@ def test_cuda_graph_replays_forward_and_backward():
         x.grad = None
         return (x * w).sin()
 
-    stats = measure(step, warmup=2, repeats=5, backward=True, flush_l2=True, cuda_graph=True)
+    stats = graph_time(step, warmup=2, repeats=5, backward=True, flush_l2=True)
     assert stats.n == 5 and stats.min > 0
     # The replays wrote the gradient of the captured call into x.grad.
     torch.testing.assert_close(x.grad, (x * w).cos().detach() * w)

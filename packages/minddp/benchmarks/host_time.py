@@ -9,12 +9,23 @@ them alike.
 
     python packages/minddp/benchmarks/host_time.py            # table
     python packages/minddp/benchmarks/host_time.py --profile bucketed:0.01
+    python packages/minddp/benchmarks/host_time.py --variants local hook:post_accumulate \
+        hook:post_accumulate_builtin hook:tensor_hook hook:multi_grad_all:3 \
+        hook:multi_grad_all:24                            # what noticing a gradient costs
 
 Variants: ``local`` (no wrapper), ``torch:MB`` (DistributedDataParallel, bucket_cap_mb),
 ``individual`` (DDPIndividualParameters), ``bucketed:MB`` (DDPBucketed), ``reach:MB``
-(DDPBucketed with ``bucket_rule="reach"``, PyTorch's way of cutting buckets). The default
-caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the way 25 MB
-cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
+(DDPBucketed with ``bucket_rule="reach"``, PyTorch's way of cutting buckets), and
+``hook:KIND``: no wrapper, but on every parameter a hook that does nothing, of one of the
+kinds a data-parallel wrapper could use to notice that a gradient is ready:
+``post_accumulate`` (``Tensor.register_post_accumulate_grad_hook``, a Python function, runs
+after ``.grad`` is updated), ``post_accumulate_builtin`` (the same with a C-implemented
+callable, ``list.append``: the cost of calling into Python at all, without a Python frame),
+``tensor_hook`` (``Tensor.register_hook``, before accumulation) and ``multi_grad_all:K``
+(``torch.autograd.graph.register_multi_grad_hook(mode="all")`` over buckets of K
+parameters: one call per bucket, but a Python hook installed on every tensor underneath).
+The default caps: 25 MB (the model fits one bucket) and 0.008 MB, which cuts the model the
+way 25 MB cuts the trainer's ``medium`` preset: DDPBucketed never lets a bucket exceed the cap (98
 buckets here, 98 for medium's 172 parameters), PyTorch closes a bucket once it reaches
 the cap (50 here, 50 for medium), as ``reach:0.008`` does. ``bucketed:0.012`` has
 PyTorch's count (49) by a larger cap.
@@ -34,6 +45,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lab2bench.profiling import profile as lab2bench_profile
+from lab2bench.report import markdown_table
 
 DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
                     "bucketed:0.008", "bucketed:0.012", "reach:0.008")
@@ -58,10 +72,33 @@ def build_model(blocks: int, width: int) -> nn.Module:
     return nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, width))
 
 
+def install_hooks(kind: str, params: list[nn.Parameter]) -> None:
+    """Register hooks of ``kind`` (see the variants ``hook:KIND``) that do nothing."""
+    name, _, k = kind.partition(":")
+    if name == "post_accumulate":
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _p: None)
+    elif name == "post_accumulate_builtin":
+        sink: list = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(sink.append)
+    elif name == "tensor_hook":
+        for p in params:
+            p.register_hook(lambda _g: None)
+    elif name == "multi_grad_all":
+        for i in range(0, len(params), int(k)):
+            torch.autograd.graph.register_multi_grad_hook(params[i : i + int(k)],
+                                                          lambda _gs: None, mode="all")
+    else:
+        raise ValueError(f"unknown hook kind {kind!r}")
+
+
 def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
     """The module to run forward through and the call that ends a step's synchronization."""
     kind, _, mb = variant.partition(":")
-    if kind == "local":
+    if kind == "hook":
+        install_hooks(mb, list(model.parameters()))
+    if kind in ("local", "hook"):
         return model, lambda: None
     if kind == "torch":
         from torch.nn.parallel import DistributedDataParallel
@@ -81,7 +118,7 @@ def wrap(variant: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None]]
 
 def collectives_per_step(variant: str, runner: nn.Module) -> int | None:
     """Collectives the last step launched (PyTorch DDP: its buckets; local: 0)."""
-    if variant == "local":
+    if variant == "local" or variant.startswith("hook:"):
         return 0
     stats = getattr(runner, "last_sync_stats", None)
     if stats is not None:
@@ -133,54 +170,47 @@ def measure(variants: list[str], args: argparse.Namespace
     return samples, collectives
 
 
-
 def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | None],
            n_params: int) -> None:
     """Medians over all steps; the extra over ``local`` is paired round by round (each
     round runs all variants back to back), so slow phases of the machine cancel."""
-    med = {v: [statistics.median([s[i] for r in rounds for s in r]) * 1e6 for i in range(4)]
-           for v, rounds in samples.items()}
 
     def round_totals(v: str) -> list[float]:
         return [statistics.median([s[1] + s[2] for s in r]) * 1e6 for r in samples[v]]
 
-    local = round_totals("local") if "local" in samples else None
-    rounds = len(next(iter(samples.values())))
-    print(f"{n_params} trainable parameters; {rounds} rounds; CPU µs of the main thread "
-          "(medians) unless marked wall; extra = (backward + finish) - local's, per "
-          "parameter, median of the rounds [quartiles]")
-    print("| variant | collectives | forward | backward | finish | backward + finish "
-          "| × local | extra per parameter | backward wall |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for v, (fwd, bwd, finish, wall) in med.items():
-        total = bwd + finish
-        ratio = extra = ""
-        if local is not None:
-            ratio = f"{statistics.median([t / l for t, l in zip(round_totals(v), local)]):.2f}"
-            diffs = [(t - l) / n_params for t, l in zip(round_totals(v), local)]
-            extra = f"{statistics.median(diffs):.1f}"
-            if len(diffs) >= 4:
-                q1, _, q3 = statistics.quantiles(diffs, n=4)
-                extra += f" [{q1:.1f}, {q3:.1f}]"
-        count = "?" if collectives[v] is None else collectives[v]
-        print(f"| {v} | {count} | {fwd:.0f} | {bwd:.0f} | {finish:.0f} | {total:.0f} | "
-              f"{ratio} | {extra} | {wall:.0f} |")
+    rows = []
+    for v, rounds in samples.items():
+        fwd, bwd, finish, wall = (statistics.median([s[i] for r in rounds for s in r]) * 1e6
+                                  for i in range(4))
+        row = {"variant": v, "collectives": "?" if collectives[v] is None else collectives[v],
+               "forward": fwd, "backward": bwd, "finish": finish, "backward + finish":
+               bwd + finish, "backward wall": wall}
+        if "local" in samples:
+            pairs = list(zip(round_totals(v), round_totals("local")))
+            row["× local"] = f"{statistics.median([t / loc for t, loc in pairs]):.2f}"
+            diffs = [(t - loc) / n_params for t, loc in pairs]
+            quartiles = statistics.quantiles(diffs, n=4) if len(diffs) >= 4 else None
+            row["extra per parameter"] = f"{statistics.median(diffs):.1f}" + (
+                f" [{quartiles[0]:.1f}, {quartiles[2]:.1f}]" if quartiles else "")
+        rows.append(row)
+    print(f"{n_params} trainable parameters; {len(next(iter(samples.values())))} rounds; CPU "
+          "µs of the main thread (medians) unless marked wall; extra = (backward + finish) - "
+          "local's, per parameter, median of the rounds [quartiles]")
+    print(markdown_table(rows, floatfmt=".0f"))
 
 
-def profile(variant: str, args: argparse.Namespace) -> None:
-    """The torch profiler's view of a few backward passes: where the host time goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+def profile(variant: str, args: argparse.Namespace, out_dir: str) -> None:
+    """The torch profiler's table of a few steps: where the host time goes."""
     model = build_model(args.blocks, args.width)
     runner, finish = wrap(variant, model)
     x = torch.randn(args.batch, args.width)
     for _ in range(args.warmup):
         one_step(model, runner, finish, x)
-    with torch_profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+    with lab2bench_profile(out_dir, device="cpu", with_stack=False, record_shapes=False,
+                           row_limit=args.rows) as prof:
         for _ in range(args.steps):
             one_step(model, runner, finish, x)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print(prof.table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                                 rank=0, world_size=1)
         try:
             if args.profile:
-                profile(args.profile, args)
+                profile(args.profile, args, tmp)
             else:
                 n = sum(p.numel() > 0 for p in build_model(args.blocks, args.width).parameters())
                 print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "

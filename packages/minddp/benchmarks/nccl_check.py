@@ -82,14 +82,11 @@ def main() -> int:
         return 1
     want = reference()
     init = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, init, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    queue = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.spawn(rank_main, args=(init, queue), nprocs=WORLD, join=False)
+    results = dict(queue.get() for _ in range(WORLD))  # before joining: puts block till read
+    while not ranks.join():
+        pass
     ok = True
     for rank, out in sorted(results.items()):
         for name, (params, native) in out.items():

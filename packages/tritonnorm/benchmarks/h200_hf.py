@@ -6,9 +6,9 @@ of about 1B parameters, in one run of under 6 minutes.
 (a) **Crossover.** For H in {512 ... 8192} x rows in {8*512, 32*512, 50,000} x {bf16,
     float32} x variant (plain, gemma = offset 1, no weight), and for each path
     (``OPTIONS.eager_dispatch`` forced to "kernels", then "torch"): the eager time of one
-    forward+backward call (a chain of calls issued back to back, one synchronisation at the
-    end: host time where the call is host-bound, device time where not), and the device
-    time of one call graph-timed (``lab2bench.timing.measure(cuda_graph=True)``). The
+    forward+backward call (``lab2bench.timing.measure``: calls issued back to back, host time
+    where the call is host-bound, device time where not), and the device time of one call
+    graph-timed (``graph_time``). The
     "auto" column says which path the current ``OPTIONS.torch_below`` picks; ``best`` says
     which eager time is lower. Set ``torch_below`` to the element count where ``best``
     turns from torch to kernels, per dtype.
@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 import tritonnorm
-from lab2bench.records import atomic_write_text
-from lab2bench.timing import measure
+from lab2bench.records import atomic_write_text, write_jsonl
+from lab2bench.report import markdown_table
+from lab2bench.timing import graph_time, measure
 from tritonnorm.ops import OPTIONS, _prefer_torch
 
 HIDDEN = (512, 1024, 2048, 4096, 8192)
@@ -55,59 +56,37 @@ LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                 max_position_embeddings=2048, use_cache=False)
 
 
-def _sync():
-    torch.cuda.synchronize()
+_sync = torch.cuda.synchronize
 
 
-class Budget:
-    """Wall-clock seconds the run may take: a part not started before ``seconds`` have
-    passed is left out (and recorded as such), so the whole run stays under its limit."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.start = seconds, time.perf_counter()
-
-    def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.start)
+def budget(seconds: float):
+    """Seconds left of a wall-clock budget: a part not started in time is left out (and
+    recorded as such), so the whole run stays under its limit."""
+    end = time.perf_counter() + seconds
+    return lambda: end - time.perf_counter()
 
 
-# ------------------------------------------------------------------ (a) crossover
-
-
-def _eager_us(x, w, mode, offset, chain: int, rounds: int) -> float:
-    """Median over rounds of (wall time of ``chain`` fwd+bwd calls) / chain, in µs."""
-    grad = torch.ones_like(x)
-    times = []
-    for _ in range(rounds + 1):  # the first round warms up
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(chain):  # a fresh leaf each call, its gradient freed by the next
-            xi = x.detach().requires_grad_()
-            y = tritonnorm.rms_norm(xi, w, 1e-6, casting_mode=mode, offset=offset)
-            y.backward(grad)
-        _sync()
-        times.append((time.perf_counter() - t0) / chain * 1e6)
-    return statistics.median(times[1:])
-
-
-def _device_us(x, w, mode, offset) -> float:
+def _call_us(x, w, mode, offset, timer, repeats: int) -> float:
+    """Median µs of one fwd+bwd call, timed by ``timer``: ``measure`` (calls queued back to
+    back: host time where the call is host-bound, device time where not) or ``graph_time``."""
     xg = x.detach().requires_grad_()
 
     def fn():
+        xg.grad = None  # as a fresh leaf's, freed by the next call
         return tritonnorm.rms_norm(xg, w, 1e-6, casting_mode=mode, offset=offset)
 
-    stats = measure(fn, warmup=2, repeats=10, backward=True, cuda_graph=True)
-    return stats.median_ms * 1e3
+    return timer(fn, warmup=max(2, repeats // 3), repeats=repeats, backward=True).median * 1e6
 
 
-def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
+def crossover(quick: bool, log, left, reserve: float) -> list[dict]:
     hidden = HIDDEN[:2] if quick else HIDDEN
     rows_set = ROWS[:1] if quick else ROWS
-    chain, rounds = (10, 2) if quick else (30, 3)
+    repeats = 10 if quick else 30
     out = []
     for dname, dtype in DTYPES.items():
         for h in hidden:
             for rows in rows_set:
-                if budget.left() < reserve:  # keep the time part (b) needs
+                if left() < reserve:  # keep the time part (b) needs
                     rec = {"part": "crossover", "dtype": dname, "hidden": h, "rows": rows,
                            "skipped": "out of time"}
                     log(rec)
@@ -121,9 +100,10 @@ def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
                            "elements": rows * h, "variant": vname}
                     for path in ("kernels", "torch"):
                         with OPTIONS.override(eager_dispatch=path):
-                            rec[f"{path}_eager_us"] = _eager_us(x, w, mode, offset, chain,
-                                                                rounds)
-                            rec[f"{path}_device_us"] = _device_us(x, w, mode, offset)
+                            rec[f"{path}_eager_us"] = _call_us(x, w, mode, offset, measure,
+                                                               repeats)
+                            rec[f"{path}_device_us"] = _call_us(x, w, mode, offset, graph_time,
+                                                                10)
                     with OPTIONS.override(eager_dispatch="auto"):
                         rec["auto_picks"] = "torch" if _prefer_torch(x) else "kernels"
                     rec["best"] = ("kernels" if rec["kernels_eager_us"] <= rec["torch_eager_us"]
@@ -133,9 +113,6 @@ def crossover(quick: bool, log, budget: Budget, reserve: float) -> list[dict]:
                 del x
                 torch.cuda.empty_cache()
     return out
-
-
-# ------------------------------------------------------------------ (b) Llama ~1B
 
 
 def _llama(quick: bool):
@@ -149,21 +126,6 @@ def _llama(quick: bool):
     config = transformers.LlamaConfig(**cfg)
     with torch.device("cuda"):
         return transformers.LlamaForCausalLM(config)
-
-
-def _liger_patch(model) -> str | None:
-    """Liger-Kernel's RMSNorm patch alone on ``model``; None, or why it could not run."""
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-    except ImportError as err:
-        return f"liger_kernel does not import ({err})"
-    try:
-        apply_liger_kernel_to_llama(rope=False, cross_entropy=False,
-                                    fused_linear_cross_entropy=False, rms_norm=True,
-                                    swiglu=False, model=model)
-    except Exception as err:  # noqa: BLE001 - another Liger or transformers: say so
-        return f"apply_liger_kernel_to_llama failed: {err}"
-    return None
 
 
 def _stepper(model, ids, compiled: bool):
@@ -202,7 +164,7 @@ def _paired(a, b, window: int, rounds: int, warmup: int) -> dict:
             "ratio_a_over_b": statistics.median(ratios), "rounds": rounds, "window": window}
 
 
-def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dict]:
+def llama_steps(quick: bool, compile_too: bool, log, left) -> list[dict]:
     batch, seq = (2, 128) if quick else (8, 1024)
     ids = torch.randint(0, 32000, (batch, seq), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
@@ -210,7 +172,7 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
     out = []
 
     def pair(name_a, make_a, name_b, make_b, compiled=False, needs=30.0):
-        if budget.left() < needs:
+        if left() < needs:
             rec = {"part": "llama", "a": name_a, "b": name_b, "skipped": "out of time"}
             log(rec)
             out.append(rec)
@@ -239,17 +201,25 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
         return model
 
     def liger():
-        # Liger's patch also replaces LlamaRMSNorm in transformers' module: undo that at
-        # once, so that the models built after this one keep Hugging Face's norm.
+        """Liger-Kernel's RMSNorm patch alone, or why it could not run. The patch also
+        replaces LlamaRMSNorm in transformers' module: undone at once, so that the models
+        built after this one keep Hugging Face's norm."""
         from transformers.models.llama import modeling_llama
 
-        original = modeling_llama.LlamaRMSNorm
-        model = _llama(quick)
         try:
-            why_not = _liger_patch(model)
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as err:
+            return f"liger_kernel does not import ({err})"
+        original, model = modeling_llama.LlamaRMSNorm, _llama(quick)
+        try:
+            apply_liger_kernel_to_llama(rope=False, cross_entropy=False, rms_norm=True,
+                                        fused_linear_cross_entropy=False, swiglu=False,
+                                        model=model)
+        except Exception as err:  # noqa: BLE001 - another Liger or transformers: say so
+            return f"apply_liger_kernel_to_llama failed: {err}"
         finally:
             modeling_llama.LlamaRMSNorm = original
-        return model if why_not is None else why_not
+        return model
 
     pair("unswapped", unswapped, "tritonnorm", swapped)
     if compile_too:
@@ -259,35 +229,21 @@ def llama_steps(quick: bool, compile_too: bool, log, budget: Budget) -> list[dic
     return out
 
 
-# ------------------------------------------------------------------ report
-
-
 def markdown(records: list[dict], env: dict) -> str:
-    lines = [f"# tritonnorm on {env['device']} (torch {env['torch']}, triton "
-             f"{env['triton']}, transformers {env['transformers']})", "",
-             "## (a) Eager fwd+bwd per call, kernels vs F.rms_norm (µs)", "",
-             "| dtype | H | rows | variant | kernels eager | torch eager | kernels device "
-             "| torch device | best | auto picks |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
-    for r in records:
-        if r["part"] == "crossover" and "skipped" in r:
-            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | - | skipped: "
-                         f"{r['skipped']} | | | | | |")
-        elif r["part"] == "crossover":
-            lines.append(f"| {r['dtype']} | {r['hidden']} | {r['rows']} | {r['variant']} | "
-                         f"{r['kernels_eager_us']:.1f} | {r['torch_eager_us']:.1f} | "
-                         f"{r['kernels_device_us']:.1f} | {r['torch_device_us']:.1f} | "
-                         f"{r['best']} | {r['auto_picks']} |")
-    lines += ["", "## (b) HF Llama ~1B training step (ms; x = first / second, paired)", "",
-              "| first | second | first ms | second ms | x |", "|---|---|---:|---:|---:|"]
-    for r in records:
-        if r["part"] == "llama":
-            if "skipped" in r:
-                lines.append(f"| {r['a']} | {r['b']} | - | - | skipped: {r['skipped']} |")
-            else:
-                lines.append(f"| {r['a']} | {r['b']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | "
-                             f"{r['ratio_a_over_b']:.3f} |")
-    return "\n".join(lines) + "\n"
+    cross = [r for r in records if r["part"] == "crossover"]
+    llama = [r for r in records if r["part"] == "llama"]
+    us = {f"{p}_{k}_us": f"{p} {k}" for k in ("eager", "device") for p in ("kernels", "torch")}
+    return "\n".join([
+        f"# tritonnorm on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']})", "",
+        "## (a) Eager fwd+bwd per call, kernels vs F.rms_norm (µs)", "",
+        markdown_table(cross, ["dtype", "hidden", "rows", "variant", *us, "best", "auto_picks",
+                               "skipped"], ".1f", headers=us),
+        "## (b) HF Llama ~1B training step (ms; x = first / second, paired)", "",
+        markdown_table(llama, ["a", "b", "a_ms", "b_ms", "ratio_a_over_b", "skipped"],
+                       {"a_ms": ".2f", "b_ms": ".2f", "ratio_a_over_b": ".3f"},
+                       headers={"a": "first", "b": "second", "a_ms": "first ms",
+                                "b_ms": "second ms", "ratio_a_over_b": "x"})])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
            "tritonnorm": tritonnorm.__version__, "torch_below": dict(OPTIONS.torch_below)}
     records: list[dict] = []
     t0 = time.perf_counter()
-    budget = Budget(args.budget_s)
+    left = budget(args.budget_s)
     # What part (b) needs: two eager pairs, and the compiled pair's two compilations.
     reserve = 0.0 if "llama" in args.skip else 60.0 + (0.0 if args.no_compile else 150.0)
 
@@ -319,12 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
 
     if "crossover" not in args.skip:
-        records += crossover(args.quick, log, budget, reserve)
+        records += crossover(args.quick, log, left, reserve)
     if "llama" not in args.skip:
-        records += llama_steps(args.quick, not args.no_compile, log, budget)
+        records += llama_steps(args.quick, not args.no_compile, log, left)
     env["seconds"] = round(time.perf_counter() - t0, 1)
-    jsonl = "".join(json.dumps({**r, "env": env}) + "\n" for r in records)
-    atomic_write_text(args.out / "h200_hf.jsonl", jsonl)
+    write_jsonl(args.out / "h200_hf.jsonl", [{**r, "env": env} for r in records])
     atomic_write_text(args.out / "h200_hf.md", markdown(records, env))
     print(f"wrote {args.out / 'h200_hf.jsonl'} and {args.out / 'h200_hf.md'} "
           f"in {env['seconds']} s", file=sys.stderr)

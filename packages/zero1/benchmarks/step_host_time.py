@@ -24,25 +24,19 @@ of the slowest rank), and for the sharded variants the part spent in the local s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 VARIANTS = ("plain", "sharded", "sharded-loop", "zero")
 
 
-@dataclass
-class Spec:
-    layers: int
-    width: int
-    warmup: int
-    steps: int
-    rounds: int
-
-
-def build_model(spec: Spec) -> torch.nn.Module:
+def build_model(spec: argparse.Namespace) -> torch.nn.Module:
     """``layers`` x (Linear(width, width) + LayerNorm(width)): four tensors per layer."""
     torch.manual_seed(0)
     mods: list[torch.nn.Module] = []
@@ -88,9 +82,11 @@ def _local_step_timer(opt: torch.optim.Optimizer, sink: list[float]) -> None:
     local.step = timed
 
 
-def bench_rank(rank: int, world_size: int, spec: Spec) -> dict[str, dict[str, list[float]]]:
-    import torch.distributed as dist
-
+def bench_rank(rank: int, world_size: int, spec: argparse.Namespace, init: str, results) -> None:
+    """One rank (``torch.multiprocessing.spawn``'s target): the timings of every variant,
+    put on ``results`` as ``(rank, {variant: {"wall"|"cpu"|"local": [seconds]}})``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     names = [n for n in VARIANTS if n != "zero" or world_size > 1]
     out = {n: {"wall": [], "cpu": [], "local": []} for n in names}
     for rnd in range(spec.rounds):
@@ -110,7 +106,8 @@ def bench_rank(rank: int, world_size: int, spec: Spec) -> dict[str, dict[str, li
                     out[name]["cpu"].append(c1 - c0)
             out[name]["local"] += local[spec.warmup:]
             del opt, model
-    return out
+    dist.destroy_process_group()
+    results.put((rank, out))
 
 
 def _median_us(per_rank: list[dict], name: str, key: str) -> float | None:
@@ -131,26 +128,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from lab2bench.ranks import spawn_ranks
-
-    spec = Spec(args.layers, args.width, args.warmup, args.steps, args.rounds)
-    model = build_model(spec)
+    model = build_model(args)
     n_tensors = len(list(model.parameters()))
     n_elems = sum(p.numel() for p in model.parameters())
     print(f"{n_tensors} parameter tensors, {n_elems:,} elements; torch {torch.__version__}; "
-          f"{spec.rounds} rounds x {spec.steps} steps (after {spec.warmup} warm-up), "
+          f"{args.rounds} rounds x {args.steps} steps (after {args.warmup} warm-up), "
           "1 thread per rank\n")
     print("| world size | variant | wall µs/step | CPU µs/step | local step µs |")
     print("|---:|---|---:|---:|---:|")
     for ws in (int(x) for x in args.world_sizes.split(",")):
-        per_rank = spawn_ranks(bench_rank, ws, spec, threads=1, timeout=1200,
-                               preload=["zero1", "torch.distributed.optim"])
+        results = mp.get_context("spawn").SimpleQueue()
+        with tempfile.TemporaryDirectory() as tmp:
+            init = "file://" + os.path.join(tmp, "rendezvous")
+            ranks = mp.spawn(bench_rank, args=(ws, args, init, results), nprocs=ws, join=False)
+            # Read before joining: a rank's put blocks until its result is read.
+            per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
+            while not ranks.join():
+                pass
         for name in per_rank[0]:
-            wall = _median_us(per_rank, name, "wall")
-            cpu = _median_us(per_rank, name, "cpu")
-            local = _median_us(per_rank, name, "local")
-            local_s = f"{local:,.0f}" if local is not None else "-"
-            print(f"| {ws} | {name} | {wall:,.0f} | {cpu:,.0f} | {local_s} |", flush=True)
+            us = (_median_us(per_rank, name, key) for key in ("wall", "cpu", "local"))
+            print(f"| {ws} | {name} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in us)
+                  + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,45 +12,28 @@ CUDA_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 64 << 20
 
 
-def copy_bandwidth_stats(
-    device: torch.device | str | None = None,
-    nbytes: int | None = None,
-    *,
-    warmup: int = 3,
-    repeats: int = 20,
-) -> tuple[float, Stats]:
-    """``copy_bandwidth`` that also returns the timing ``Stats``."""
+def copy_bandwidth_stats(device: torch.device | str | None = None, nbytes: int | None = None,
+                         *, warmup: int = 3, repeats: int = 20) -> tuple[float, Stats]:
+    """Bytes per second moved by ``dst.copy_(src)``, counting the read and the write (the
+    median of ``repeats`` timed copies, L2 flushed on CUDA), and the timing ``Stats``.
+
+    This is the ceiling a memory-bound kernel can hope for on this device (on an H200 about
+    4.3e12). ``device``: default CUDA if available, else CPU; ``nbytes``: the source
+    tensor's size (default 1 GiB on CUDA, 64 MiB on the CPU).
+    """
     dev = resolve_device(device)
     if nbytes is None:
         nbytes = CUDA_COPY_BYTES if dev.type == "cuda" else CPU_COPY_BYTES
     if nbytes < 4:
         raise ValueError(f"nbytes must be at least 4, got {nbytes}")
-    numel = nbytes // 4
-    src = torch.rand(numel, dtype=torch.float32, device=dev)
+    src = torch.rand(nbytes // 4, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     stats = measure(lambda: dst.copy_(src), warmup=warmup, repeats=repeats, device=dev,
                     flush_l2=dev.type == "cuda")
-    moved = 2 * numel * 4  # every byte is read once and written once
-    return moved / stats.median, stats
+    return 2 * src.numel() * 4 / stats.median, stats  # every byte read once, written once
 
 
-def copy_bandwidth(
-    device: torch.device | str | None = None,
-    nbytes: int | None = None,
-    *,
-    warmup: int = 3,
-    repeats: int = 20,
-) -> float:
-    """Bytes per second moved by ``dst.copy_(src)``, counting the read and the write.
-
-    This is the ceiling a memory-bound kernel can hope for on this device (on an
-    H200 about 4.3e12). It uses the median of ``repeats`` timed copies.
-
-    Args:
-        device: where to copy (default: CUDA if available, else CPU).
-        nbytes: size of the source tensor (default 1 GiB on CUDA, 64 MiB on the CPU).
-        warmup: untimed copies first.
-        repeats: timed copies.
-    """
-    bandwidth, _ = copy_bandwidth_stats(device, nbytes, warmup=warmup, repeats=repeats)
-    return bandwidth
+def copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
+                   *, warmup: int = 3, repeats: int = 20) -> float:
+    """``copy_bandwidth_stats``'s bytes per second alone."""
+    return copy_bandwidth_stats(device, nbytes, warmup=warmup, repeats=repeats)[0]

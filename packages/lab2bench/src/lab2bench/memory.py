@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import resource
-import sys
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,8 +33,7 @@ class PeakMemory:
         start_bytes: allocated (CUDA) or resident (CPU) bytes when the block began.
         end_bytes: the same when it ended.
         peak_bytes: the highest value seen during the block (at least start and end).
-        source: how it was measured: ``"cuda-allocator"``, ``"rss-sampled"`` or
-            ``"ru_maxrss"`` (lifetime peak of the process; a coarse fallback).
+        source: how it was measured: ``"cuda-allocator"`` or ``"rss-sampled"``.
     """
 
     device: torch.device
@@ -51,20 +48,9 @@ class PeakMemory:
         return max(0, self.peak_bytes - self.start_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": str(self.device),
-            "start_bytes": self.start_bytes,
-            "end_bytes": self.end_bytes,
-            "peak_bytes": self.peak_bytes,
-            "increase_bytes": self.increase_bytes,
-            "source": self.source,
-        }
-
-
-def _ru_maxrss_bytes() -> int:
-    # Linux reports kilobytes, macOS bytes.
-    scale = 1 if sys.platform == "darwin" else 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+        return {"device": str(self.device), "start_bytes": self.start_bytes,
+                "end_bytes": self.end_bytes, "peak_bytes": self.peak_bytes,
+                "increase_bytes": self.increase_bytes, "source": self.source}
 
 
 class _RssSampler(threading.Thread):
@@ -128,18 +114,7 @@ def peak_memory(
         return
     if dev.type != "cpu":
         raise ValueError(f"peak_memory supports cuda and cpu devices, got {dev}")
-    try:
-        sampler: _RssSampler | None = _RssSampler(interval)
-    except ImportError:
-        sampler = None
-    if sampler is None:
-        result.source = "ru_maxrss"
-        result.start_bytes = _ru_maxrss_bytes()
-        try:
-            yield result
-        finally:
-            result.end_bytes = result.peak_bytes = _ru_maxrss_bytes()
-        return
+    sampler = _RssSampler(interval)
     result.source = "rss-sampled"
     result.start_bytes = sampler.peak
     sampler.start()

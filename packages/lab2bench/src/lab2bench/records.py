@@ -18,19 +18,13 @@ from lab2bench.env import env_info
 
 
 def _fsync_dir(path: Path) -> None:
-    with_dir = getattr(os, "O_DIRECTORY", None)
-    if with_dir is None:
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | with_dir)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Flush a folder's entries (a rename into it) to disk, where the platform can."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def temp_file_beside(target: str | os.PathLike[str]) -> str:
@@ -105,24 +99,12 @@ def to_jsonable(obj: Any) -> Any:
         return to_jsonable(obj.to_dict())
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
-    tolist = getattr(obj, "tolist", None)  # tensors and numpy arrays (and their scalars)
-    if callable(tolist) and hasattr(obj, "shape"):
-        try:
-            return to_jsonable(tolist())
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    item = getattr(obj, "item", None)  # other scalar wrappers
-    if callable(item):
-        try:
-            return to_jsonable(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
+    # Tensors and numpy arrays (and their scalars), then other scalar wrappers.
+    for method in (getattr(obj, "tolist", None), getattr(obj, "item", None)):
+        if callable(method):
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                return to_jsonable(method())
     return str(obj)  # torch.dtype, torch.device and anything else: readable text
-
-
-def utc_timestamp() -> str:
-    """Now, in ISO 8601 UTC with seconds (``2026-11-30T04:05:06Z``)."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Recorder:
@@ -132,8 +114,7 @@ class Recorder:
     ``config`` says what was measured, ``metrics`` what came out, ``env`` where
     (``env_info()``: device, versions, git commit, host). Lines are appended and
     flushed one by one, so a run that dies keeps what it measured; ``records``
-    keeps this run's lines in memory, and ``write_final(path)`` writes them to
-    another file atomically.
+    keeps this run's lines in memory (``write_jsonl`` writes them elsewhere atomically).
 
     Args:
         path: the JSONL file (created with its folders; appended to if it exists).
@@ -168,24 +149,13 @@ class Recorder:
             raise ValueError(f"suite must be a non-empty string, got {suite!r}")
         if not isinstance(config, dict) or not isinstance(metrics, dict):
             raise TypeError("config and metrics must be dicts")
-        rec = to_jsonable({
-            "suite": suite,
-            "run_id": self.run_id,
-            "timestamp": utc_timestamp(),
-            "config": config,
-            "metrics": metrics,
-            "env": self.env,
-        })
-        line = json.dumps(rec, sort_keys=False, allow_nan=False)
+        now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # ISO 8601
+        rec = to_jsonable({"suite": suite, "run_id": self.run_id, "timestamp": now,
+                           "config": config, "metrics": metrics, "env": self.env})
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-            f.flush()
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
         self.records.append(rec)
         return rec
-
-    def write_final(self, path: str | os.PathLike[str]) -> Path:
-        """Write this run's records (only) to ``path`` as JSONL, atomically."""
-        return write_jsonl(path, self.records)
 
 
 def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> Path:

@@ -1,4 +1,5 @@
-"""Timing a callable correctly: warm-up, synchronisation, L2 flush, statistics.
+"""Timing a callable correctly: warm-up, synchronisation, L2 flush, statistics; eager
+(``measure``) or as replays of a CUDA graph (``graph_time``).
 
 GPU kernels run asynchronously: the Python call returns as soon as the work is
 queued. ``measure`` therefore records CUDA events around each call and waits for
@@ -54,40 +55,21 @@ class Stats:
             raise ValueError("Stats.from_samples needs at least one sample")
         if any(math.isnan(v) for v in values):
             raise ValueError(f"a sample is NaN: {values}")
-        std = statistics.stdev(values) if len(values) > 1 else 0.0
-        return cls(
-            mean=statistics.fmean(values),
-            std=std,
-            median=statistics.median(values),
-            min=min(values),
-            max=max(values),
-            samples=values,
-        )
+        return cls(mean=statistics.fmean(values),
+                   std=statistics.stdev(values) if len(values) > 1 else 0.0,
+                   median=statistics.median(values), min=min(values), max=max(values),
+                   samples=values)
 
     @property
     def n(self) -> int:
         """Number of timed samples."""
         return len(self.samples)
 
-    @property
-    def mean_ms(self) -> float:
-        return self.mean * 1e3
-
-    @property
-    def std_ms(self) -> float:
-        return self.std * 1e3
-
-    @property
-    def median_ms(self) -> float:
-        return self.median * 1e3
-
-    @property
-    def min_ms(self) -> float:
-        return self.min * 1e3
-
-    @property
-    def max_ms(self) -> float:
-        return self.max * 1e3
+    mean_ms = property(lambda self: self.mean * 1e3)
+    std_ms = property(lambda self: self.std * 1e3)
+    median_ms = property(lambda self: self.median * 1e3)
+    min_ms = property(lambda self: self.min * 1e3)
+    max_ms = property(lambda self: self.max * 1e3)
 
     def ms(self, stat: str = "median") -> float:
         """One statistic (``"mean"``, ``"std"``, ``"median"``, ``"min"``, ``"max"``) in ms."""
@@ -141,19 +123,34 @@ def _first_tensor(out: Any) -> torch.Tensor:
     return out
 
 
-def measure(
-    fn: Callable[[], Any],
-    *,
-    warmup: int = 3,
-    repeats: int = 10,
-    device: torch.device | str | None = None,
-    flush_l2: bool = False,
-    backward: bool = False,
-    grad: torch.Tensor | None = None,
-    clock: Callable[[], float] | None = None,
-    cuda_graph: bool = False,
-) -> Stats:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+def _warm_up(fn: Callable[[], Any], warmup: int, repeats: int, dev: torch.device,
+             backward: bool, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Check the arguments, run the untimed calls, and return the gradient template."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if grad is not None and not backward:
+        raise ValueError("grad is only used with backward=True")
+    for _ in range(warmup + (backward and grad is None and warmup == 0)):
+        out = fn()
+        if backward:
+            y = _first_tensor(out)
+            if grad is None:  # ones shaped like the output, from the first call
+                grad = torch.ones_like(y)
+            # A copy: some backward kernels (Liger's) write into grad_output in place.
+            y.backward(grad.clone())
+    synchronize(dev)
+    return grad
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10,
+            device: torch.device | str | None = None, flush_l2: bool = False,
+            backward: bool = False, grad: torch.Tensor | None = None,
+            clock: Callable[[], float] | None = None) -> Stats:
+    """Time ``fn()`` eagerly: ``warmup`` untimed calls, then ``repeats`` timed ones.
 
     On CUDA each timed call sits between two CUDA events; the calls are queued back to
     back and the device is synchronised once at the end, so each figure is the device
@@ -179,58 +176,78 @@ def measure(
             call makes it. A fresh copy is made for every call, outside the timed region.
         clock: a zero-argument timer returning seconds (tests inject a fake one). It
             forces the CPU path: no CUDA events and no synchronisation.
-        cuda_graph: CUDA only. After the warm-up, capture one call (with its backward)
-            into a CUDA graph and time replays of it: the figure is the device time of
-            the call's kernels, without the host's Python and launch overhead. Use it
-            for kernels whose device time is shorter than the host time of calling them
-            (the eager figure is then host time). The capture's outputs are static: each
-            replay writes the same tensors, and the gradient fed to backward is copied
-            into one static buffer before each replay (untimed).
 
     Returns:
         The ``Stats`` of the timed calls, in seconds.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable with no arguments, got {type(fn).__name__}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if grad is not None and not backward:
-        raise ValueError("grad is only used with backward=True")
     dev = torch.device("cpu") if clock is not None and device is None else resolve_device(device)
-    if cuda_graph and (dev.type != "cuda" or clock is not None):
-        raise ValueError(f"cuda_graph=True needs a CUDA device and no clock, got device {dev}"
-                         + (" and a clock" if clock is not None else ""))
-    use_events = dev.type == "cuda" and clock is None
-    timer = clock if clock is not None else timeit.default_timer
     flush = _flush_buffer(dev) if flush_l2 else None
-
-    grad_template = grad
-
-    def run_once() -> Any:
-        nonlocal grad_template
-        out = fn()
-        if backward:
-            y = _first_tensor(out)
-            if grad_template is None:
-                grad_template = torch.ones_like(y)
-            # A copy: some backward kernels (Liger's) write into grad_output in place.
-            y.backward(grad_template.clone())
-        return out
-
     # Events record on the current stream of the current device: make it ``dev``'s.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        for _ in range(warmup):
-            run_once()
-        if backward and grad_template is None:
-            run_once()  # makes the default gradient, untimed
+        grad = _warm_up(fn, warmup, repeats, dev, backward, grad)
+
+        def prepare() -> torch.Tensor | None:  # a fresh gradient per call, untimed
+            return grad.clone() if backward else None
+
+        if dev.type == "cuda" and clock is None:
+            return Stats.from_samples(_event_times(
+                repeats, dev, flush, prepare, lambda g: _call(fn, backward, g)))
+        timer = clock if clock is not None else timeit.default_timer
+        samples: list[float] = []
+        for _ in range(repeats):
+            if flush is not None:
+                flush.zero_()
+            g = prepare()
+            t0 = timer()
+            out = _call(fn, backward, g)
+            if clock is None:
+                synchronize(dev)
+            samples.append(timer() - t0)
+            del out
+    return Stats.from_samples(samples)
+
+
+def graph_time(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10,
+               device: torch.device | str | None = None, flush_l2: bool = False,
+               backward: bool = False, grad: torch.Tensor | None = None) -> Stats:
+    """Time replays of a CUDA graph of one call of ``fn()`` (with its backward): the
+    device time of the call's kernels, without the host's Python and launch overhead.
+
+    Use it for kernels whose device time is shorter than the host time of calling them
+    (``measure``'s figure is then host time). The arguments are ``measure``'s; after the
+    warm-up one call is captured and ``repeats`` replays are timed between CUDA events.
+    The capture's outputs are static: each replay writes the same tensors, and the
+    gradient fed to backward is copied into one static buffer before each replay
+    (untimed).
+    """
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"graph_time needs a CUDA device, got {dev}")
+    flush = _flush_buffer(dev) if flush_l2 else None
+    with torch.cuda.device(dev):
+        grad = _warm_up(fn, warmup, repeats, dev, backward, grad)
+        static_grad = grad.clone() if backward else None
+        # PyTorch's rule for capturing autograd: warm up on a side stream first, so that
+        # the lazily made state (autograd's per-device streams, workspaces) exists before
+        # the capture begins.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _call(fn, backward, static_grad)
+        torch.cuda.current_stream(dev).wait_stream(side)
         synchronize(dev)
-        if cuda_graph:
-            samples = _timed_graph_replays(fn, repeats, dev, flush, backward, grad_template)
-        else:
-            samples = _timed_calls(fn, repeats, dev, use_events, timer, flush, backward,
-                                   grad_template, sync_cpu_path=clock is None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _call(fn, backward, static_grad)  # kept alive while the replays write it
+        # A graph launch costs the host a few microseconds, and the flush kernel before
+        # each start keeps the device busy meanwhile: no host gap lands in the timed region.
+        samples = _event_times(
+            repeats, dev, flush,
+            # Some backwards (Liger's) write into the gradient: restore it before each replay.
+            prepare=lambda: static_grad.copy_(grad) if backward else None,
+            run=lambda _: graph.replay())
+        del out
     return Stats.from_samples(samples)
 
 
@@ -240,65 +257,6 @@ def _call(fn: Callable[[], Any], backward: bool, grad: torch.Tensor | None) -> A
     if backward:
         _first_tensor(out).backward(grad)
     return out
-
-
-def _timed_calls(fn: Callable[[], Any], repeats: int, dev: torch.device, use_events: bool,
-                 timer: Callable[[], float], flush: torch.Tensor | None, backward: bool,
-                 grad_template: torch.Tensor | None, sync_cpu_path: bool) -> list[float]:
-    if use_events:
-        return _timed_calls_cuda(fn, repeats, dev, flush, backward, grad_template)
-    samples: list[float] = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.zero_()
-        # A fresh gradient each call, made outside the timed region.
-        g = grad_template.clone() if backward and grad_template is not None else None
-        t0 = timer()
-        out = _call(fn, backward, g)
-        if sync_cpu_path:
-            synchronize(dev)
-        samples.append(timer() - t0)
-        del out
-    return samples
-
-
-def _timed_calls_cuda(fn: Callable[[], Any], repeats: int, dev: torch.device,
-                      flush: torch.Tensor | None, backward: bool,
-                      grad_template: torch.Tensor | None) -> list[float]:
-    # A fresh gradient for each call, copied before its start event: untimed.
-    return _event_times(
-        repeats, dev, flush,
-        prepare=lambda: (grad_template.clone() if backward and grad_template is not None
-                         else None),
-        run=lambda g: _call(fn, backward, g))
-
-
-def _timed_graph_replays(fn: Callable[[], Any], repeats: int, dev: torch.device,
-                         flush: torch.Tensor | None, backward: bool,
-                         grad_template: torch.Tensor | None) -> list[float]:
-    static_grad = grad_template.clone() if backward and grad_template is not None else None
-    # PyTorch's rule for capturing autograd: warm up on a side stream first, so that
-    # the lazily made state (autograd's per-device streams, workspaces) exists before
-    # the capture begins.
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _call(fn, backward, static_grad)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _call(fn, backward, static_grad)  # kept alive while the replays write it
-    # A graph launch costs the host a few microseconds, and the flush kernel before each
-    # start keeps the device busy meanwhile, so no host gap lands inside the timed region.
-    samples = _event_times(
-        repeats, dev, flush,
-        # Some backwards (Liger's) write into the gradient: restore it before each replay.
-        prepare=lambda: static_grad.copy_(grad_template) if static_grad is not None else None,
-        run=lambda _: graph.replay())
-    del out
-    return samples
 
 
 def _event_times(repeats: int, dev: torch.device, flush: torch.Tensor | None,

@@ -163,7 +163,7 @@ class DataParallelWrapper(nn.Module):
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
         # One post-accumulate-grad hook per parameter: of the ways to learn that a
-        # gradient is complete, the cheapest (benchmarks/hook_cost.py: about 1.4 µs per
+        # gradient is complete, the cheapest (benchmarks/host_time.py, hook:*: about 1.4 µs per
         # parameter with an empty body, where register_multi_grad_hook(mode="all") over
         # a bucket costs about 19 µs per parameter: it installs a Python hook on every
         # tensor underneath, and each takes a lock and fills dictionaries).

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.6.0"
 
 # Every name is imported on first use (PEP 562): `import tritonnorm` alone loads neither
-# torch nor triton, so that `lab2bench --help` can list tritonnorm's suites (entry points
-# in tritonnorm.bench) at once.
+# torch nor triton, so that a command line importing it answers `--help` at once.
 _EXPORTS = {
     "HAS_TRITON": "ops", "FusedAddRMSNormFunction": "ops", "RMSNormFunction": "ops",
     "fused_add_rms_norm": "ops", "rms_norm": "ops",
