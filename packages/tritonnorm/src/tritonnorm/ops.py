@@ -6,7 +6,7 @@ Read top to bottom:
 * ``OPTIONS``: the launch path's switches (one ``KernelOptions``; ``OPTIONS.override(...)``
   as a context manager);
 * launch configurations: frozen dataclasses, the tuning tables swept on an H200
-  (``benchmarks/gpu_check.py --tune*``) and the planners that pick one for a row length;
+  (``docs/benchmarks/2026-11-30-h200-kernels.md``) and the planners that pick one for a row length;
 * launching: ``launch`` keeps Triton's compiled kernel and calls its bare launcher (a
   ``kernel[grid](...)`` call costs tens of µs of host time); ``LaunchCache`` records whole
   launches of shapes seen before; ``launch_traceable`` goes through
@@ -152,22 +152,20 @@ class KernelOptions:
     ``torch_below`` says for its dtype (host-bound calls, where the kernels' device-time
     advantage does not repay their host cost), the kernels otherwise. Without
     ``F.rms_norm`` (PyTorch < 2.4... never here, but an odd build) the kernels always.
-    Under ``torch.compile`` the kernels always run (Inductor launches them)."""
+    Under ``torch.compile`` ``compiled_dispatch`` decides instead."""
 
     torch_below: dict = dataclasses.field(default_factory=lambda: {
         "torch.bfloat16": 0, "torch.float16": 0, "torch.float32": 1 << 23})
     """The "auto" rule: elements of x (rows x hidden) below which an eager call takes
     PyTorch's path, by x's dtype (``str(dtype)``). Measured on one H200 (torch 2.11,
-    2026-12-02, ``benchmarks/h200_hf.py``): in 16-bit dtypes the kernels' eager
-    forward+backward was at or below ``F.rms_norm``'s at every size from 2 M to 410 M
-    elements (its fused backward takes 2-5x the device time), so "auto" never picks PyTorch
-    there. In float32, called alone back to back, ``F.rms_norm`` was faster up to 16.8 M
-    elements (host-bound: 100-175 µs against 140-220 µs), but inside a Hugging Face Llama
-    (float32 residual stream under bf16 autocast, 16.8 M elements a norm) its path made
-    the training step 4% slower than the kernels' (paired: 136.7 against 131.5 ms): inside
-    a model the kernels' lower device time wins once the GPU is busy. So float32 calls
-    below 2 M elements only. PyTorch < 2.9 has no fused CUDA kernel: "auto" then never
-    picks it."""
+    2026-12-02, ``benchmarks/h200_hf.py`` and ``benchmarks/in_model.py``): in 16-bit dtypes
+    the kernels' eager forward+backward was at or below ``F.rms_norm``'s at every size from
+    2 M to 410 M elements (its fused backward takes 2-5x the device time), so "auto" never
+    picks PyTorch there. In float32 (the residual stream under autocast), inside whole
+    models: the trainer's at batch 8 x 512 (3-4 M elements a norm) stepped 1-2% faster on
+    ``F.rms_norm``'s path, at 32 x 512 (13-17 M) 11% slower than on the kernels, and a
+    Hugging Face Llama at 16.8 M 4% slower: so float32 calls below 8.4 M elements. PyTorch
+    < 2.9 has no fused kernel: "auto" then never picks it."""
 
     compiled_dispatch: str = "auto"
     """Which path a call traced by ``torch.compile`` takes: "kernels" (the registered
