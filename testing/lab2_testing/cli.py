@@ -8,6 +8,7 @@ same answer on a loaded CI machine as on an idle one.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -50,3 +51,15 @@ def run_main(module: str, argv: list[str], timeout: float = 120.0) -> CliRun:
         raise AssertionError(f"{module} {argv} crashed (exit {proc.returncode}):\n"
                              f"{proc.stdout}\n{proc.stderr}") from None
     return CliRun(result["code"], out, result["loaded"])
+
+
+def folder_listing(root) -> list[tuple[str, int, int]]:
+    """Every file and folder under ``root`` with its size and modification time: what a
+    command left behind, to compare before and after."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.stat(os.path.join(dirpath, name))
+            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size,
+                        st.st_mtime_ns))
+    return sorted(out)

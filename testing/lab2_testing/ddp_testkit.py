@@ -244,3 +244,14 @@ def assert_matches(got: dict[str, Any], want: dict[str, Any], label: str, tol: f
             assert err <= tol, f"{label}: {group[:-1]} {name} off by {err:.2e}"
     assert got["grad_is_none"] == want["grad_is_none"], label
 
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Norm-relative error of state dict ``b`` against ``a``, over all their tensors."""
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(a[k].double().pow(2).sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two state dicts hold the same keys and bitwise equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

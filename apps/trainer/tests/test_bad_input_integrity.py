@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from lab2_testing.cli import folder_listing
 from lab2_trainer import checkpoint as integrity
 from lab2_trainer.checkpoint import load_checkpoint
 from lab2_trainer.cli import main
@@ -29,26 +30,15 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
         "--sample-tokens", "0", "--quiet", "--no-plot"]
 
 
-def _listing(root: Path) -> list[tuple[str, int, int]]:
-    """Every file and folder under ``root`` with its size and modification time."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            st = os.stat(os.path.join(dirpath, name))
-            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size,
-                        st.st_mtime_ns))
-    return sorted(out)
-
-
 def run_bad(capsys, argv: list[str], root: Path) -> str:
     """``main(argv)`` must exit 2 with one line on stderr and change nothing under root."""
-    before = _listing(root)
+    before = folder_listing(root)
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lab2-train: error: "), err
-    assert _listing(root) == before, "something was written"
+    assert folder_listing(root) == before, "something was written"
     return lines[0]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab2_testing.cli import folder_listing
 from lab2_testing.procs import children, running, wait_for
 from lab2_trainer import checkpoint as integrity
 from lab2_trainer.cli import main
@@ -39,16 +40,6 @@ B = ["--steps", "3", "--batch-size", "4", "--d-model", "32", "--n-layers", "1", 
      "--sample-tokens", "0", "--no-plot", "--quiet"]
 CMD = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; sys.exit(main())"]
 START_S = 180  # a fresh interpreter importing torch on a loaded 2-core machine
-
-
-def _listing(root: Path) -> list[tuple[str, int, int]]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            st = os.stat(os.path.join(dirpath, name))
-            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size,
-                        st.st_mtime_ns))
-    return sorted(out)
 
 
 def _env(tmp: Path | None = None) -> dict[str, str]:
@@ -78,10 +69,10 @@ def refused(args: list[str], folder: Path, *fragments: str) -> str:
     """The command, run in ``folder``: exit 2, one line holding every fragment, and
     ``folder`` unchanged."""
     folder.mkdir(parents=True, exist_ok=True)
-    before = _listing(folder)
+    before = folder_listing(folder)
     proc = lab2_train(args, folder)
     line = _one_line(proc.returncode, proc.stderr, fragments)
-    assert _listing(folder) == before, "something was written"
+    assert folder_listing(folder) == before, "something was written"
     return line
 
 
@@ -89,10 +80,10 @@ def refused_here(capsys, monkeypatch, args: list[str], folder: Path, *fragments:
     """:func:`refused` through ``main()`` in this process."""
     folder.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(folder)
-    before = _listing(folder)
+    before = folder_listing(folder)
     rc = main(args)
     line = _one_line(rc, capsys.readouterr().err, fragments)
-    assert _listing(folder) == before, "something was written"
+    assert folder_listing(folder) == before, "something was written"
     return line
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
@@ -24,7 +25,6 @@ VARIANTS = [
 ]
 
 
-
 def tiny_settings(data, out, **overrides) -> TrainSettings:
     norm = overrides.pop("norm", "tritonnorm")
     model = ModelConfig(context_length=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, norm=norm)
@@ -38,16 +38,6 @@ def tiny_settings(data, out, **overrides) -> TrainSettings:
 
 def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    den = sum(float(a[k].double().pow(2).sum()) for k in a)
-    return (num / den) ** 0.5
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _variants_rank(rank, world_size, data, out):

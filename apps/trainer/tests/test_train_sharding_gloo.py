@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
@@ -51,16 +52,6 @@ def curve(out) -> list[tuple[float, float]]:
     """(loss, gradient norm before clipping) of every step of a run (rank 0's records)."""
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
     return [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
-
-
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    den = sum(float(a[k].double().pow(2).sum()) for k in a)
-    return (num / den) ** 0.5
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _parity_rank(rank, world_size, data, out):

@@ -297,27 +297,30 @@ COOP_FWD = {2: CoopConfig(32768, 16), 4: CoopConfig(32768, 16)}
 COOP_BWD = {2: CoopConfig(16384, 8), 4: CoopConfig(16384, 16)}
 
 
+def _tuned(table: dict, n_cols: int, elem_size: int, default) -> tuple[int, object]:
+    """(BLOCK_H, the tuned config of rows of ``n_cols``, or ``default(block_h)``)."""
+    block_h = next_pow2(n_cols, 16)
+    cfg = table.get((elem_size, block_h))
+    return block_h, default(block_h) if cfg is None else cfg
+
+
 @functools.lru_cache(maxsize=1024)
 def fwd_config(n_cols: int, elem_size: int) -> tuple[int, FwdConfig]:
     """(BLOCK_H, config) of the fused forward for rows of ``n_cols``."""
-    block_h = next_pow2(n_cols, 16)
-    cfg = FWD_TUNED.get((elem_size, block_h))
-    if cfg is None:
+    def default(block_h: int) -> FwdConfig:
         # Short rows: several per program so each moves a few KiB; long rows: one.
         block_r = max(1, min(64, 4096 // block_h))
-        cfg = FwdConfig(block_r, max(1, min(16, block_r * block_h * elem_size // 2048)))
-    return block_h, cfg
+        return FwdConfig(block_r, max(1, min(16, block_r * block_h * elem_size // 2048)))
+    return _tuned(FWD_TUNED, n_cols, elem_size, default)
 
 
 @functools.lru_cache(maxsize=1024)
 def bwd_config(n_cols: int, elem_size: int) -> tuple[int, BwdConfig]:
     """(BLOCK_H, config) of the fused backward for rows of ``n_cols``."""
-    block_h = next_pow2(n_cols, 16)
-    cfg = BWD_TUNED.get((elem_size, block_h))
-    if cfg is None:
+    def default(block_h: int) -> BwdConfig:
         block_r = max(1, min(64, 8192 // block_h))
-        cfg = BwdConfig(block_r, max(1, min(16, block_r * block_h // 512)))
-    return block_h, cfg
+        return BwdConfig(block_r, max(1, min(16, block_r * block_h // 512)))
+    return _tuned(BWD_TUNED, n_cols, elem_size, default)
 
 
 def fwd_is_looped(n_cols: int, forced: bool | None = None) -> bool:
@@ -1516,6 +1519,16 @@ def torch_rms_norm(x: torch.Tensor, weight, eps: float, out_dtype, llama: bool,
     return y if y.dtype == out else y.to(out)
 
 
+def _entry_mode(casting_mode: str, offset: float, weight, out_dtype) -> tuple[bool, float]:
+    """(llama, offset) of a public call, its mode and out_dtype checked (the default mode
+    without a look at the rules: it is every call of a model that names none)."""
+    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
+        check_out_dtype(out_dtype)
+    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
+        return False, offset
+    return check_mode(casting_mode, offset, weight)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
              out_dtype: torch.dtype | None = None, casting_mode: str = "none",
              offset: float = 0.0) -> torch.Tensor:
@@ -1563,12 +1576,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
             unknown casting mode, an offset other than 0.0 and 1.0 (or one without a weight).
         TypeError: a non-floating dtype (out_dtype included), or an eps that is no number.
     """
-    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
-        llama = False
-    else:
-        llama, offset = check_mode(casting_mode, offset, weight)
-    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
-        check_out_dtype(out_dtype)
+    llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
     if not _use_kernels(x, weight) or not (out_dtype is None or out_dtype in KERNEL_DTYPES):
         return RMSNormTorchFunction.apply(x, weight, eps, out_dtype, casting_mode, offset)
     if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
@@ -1620,12 +1628,7 @@ def fused_add_rms_norm(
         ValueError: residual's shape or device differs from x's, or as ``rms_norm``.
         TypeError: a non-floating dtype (residual's and out_dtype included).
     """
-    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
-        llama = False
-    else:
-        llama, offset = check_mode(casting_mode, offset, weight)
-    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
-        check_out_dtype(out_dtype)
+    llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
     if not (_use_kernels(x, weight) and isinstance(residual, torch.Tensor)
             and residual.dtype in KERNEL_DTYPES
             and (out_dtype is None or out_dtype in KERNEL_DTYPES)):
