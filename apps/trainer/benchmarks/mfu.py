@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of one training stack on one GPU, compiled, at a chosen batch.
 
-Builds the trainer's model, compiles it, wraps it as the trainer does (``GradSync``,
-``build_optimizer``, through the bench suites' ``make_variant``), times training steps
+Builds the trainer's model and sets it up, compiled, as the trainer does (``parallelize``,
+through ``harness.setup``), times training steps
 with CUDA events and prints tokens/s and MFU
 (``lab2_trainer.mfu``: 6·N + attention FLOPs per token over the GPU's dense bf16 peak).
 ``--profile`` adds the device time per step by kernel family (matrix products,
@@ -27,11 +27,10 @@ import os
 import tempfile
 import time
 
+import harness
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.bench.distributed import make_sharded_variant, make_variant, step_marks
-from lab2_trainer.bench.workload import build_config, build_model, random_batch
 from lab2_trainer.mfu import (
     device_label,
     device_peak,
@@ -96,21 +95,17 @@ def main() -> None:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    config = build_config(args.preset, context_length=args.context_length,
-                          vocab_size=args.vocab_size, norm=norm)
-    model = build_model(config, device, seed=0)
+    config = harness.build_config(args.preset, context_length=args.context_length,
+                                  vocab_size=args.vocab_size, norm=norm)
+    model = harness.build_model(config, device, seed=0)
     model.activation_checkpointing = args.activation_checkpointing
-    if ddp == "none":
-        variant = make_sharded_variant(model, sharding, device,
-                                       compile={"backend": "inductor", "mode": args.mode})
-    else:
-        variant = make_variant(model, ddp, sharding, device,
-                               forward=torch.compile(model, mode=args.mode))
-    batches = [random_batch(config, args.batch_size, device, seed=i) for i in range(2)]
+    variant = harness.setup(model, sharding, device, ddp=ddp,
+                            compile={"backend": "inductor", "mode": args.mode})
+    batches = [harness.random_batch(config, args.batch_size, device, seed=i) for i in range(2)]
 
     def step(i: int) -> None:
         # its marks go unread
-        step_marks(variant, batches[i % 2], "bf16", device, args.backward_thread)
+        harness.step_marks(variant, batches[i % 2], "bf16", device, args.backward_thread)
 
     start = time.perf_counter()
     for i in range(3):  # compiles in the first calls

@@ -1,6 +1,6 @@
 """The multi-GPU tables in one call: DDP, sharding and scaling over NCCL, one JSONL each.
 
-Runs the trainer's bench suites (``lab2-train bench ddp|zero|stack``) at every world size,
+Runs the benchmark scripts ``ddp.py``, ``zero.py`` and ``stack.py`` at every world size,
 preset and per-rank batch asked for, each in its own launch, and gathers their records
 into one JSONL per table under ``--out`` (each record keeps the command that made it),
 then renders each table as Markdown beside it, with those commands:
@@ -24,7 +24,6 @@ measure anything.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
@@ -95,14 +94,16 @@ def suite_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def run_suite(table: str, bench_args: list[str], folder: Path) -> list[dict[str, Any]]:
-    """One ``lab2-train bench`` launch; its records, each with its command."""
+    """One launch of a benchmark script; its records, each with its command."""
     folder.mkdir(parents=True, exist_ok=True)
-    argv = ["lab2-train", "bench", *bench_args, "--out", str(folder)]
-    print("$", shlex.join(argv), flush=True)
-    subprocess.run([sys.executable, "-m", "lab2_trainer.cli", *argv[1:]], check=True)
     suite = bench_args[0]
-    records = [json.loads(line) for line in (folder / f"{suite}.jsonl").read_text().splitlines()
-               if line.strip()]
+    argv = ["python", f"apps/trainer/benchmarks/{suite}.py", *bench_args[1:], "--out", str(folder)]
+    print("$", shlex.join(argv), flush=True)
+    subprocess.run([sys.executable, str(Path(__file__).parent / f"{suite}.py"), *argv[2:]],
+                   check=True)
+    from lab2bench import read_records
+
+    records = read_records(folder / f"{suite}.jsonl")
     for r in records:
         r["command"] = shlex.join(argv[:-2])  # without the scratch --out
     return records
@@ -130,27 +131,17 @@ def scaling_rows(stack: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown(table: str, rows: list[dict[str, Any]]) -> str:
+    from lab2bench import markdown_table
+
     cols = [c for c in COLUMNS[table] if any(c in r for r in rows)]
-
-    def cell(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
-
-    lines = [f"## {table}", "", "| " + " | ".join(cols) + " |",
-             "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     commands = list(dict.fromkeys(r["command"] for r in rows))
-    lines += ["", "```bash", *commands, "```", ""]
-    return "\n".join(lines)
-
-
-def write(path: Path, text: str) -> None:
-    """Atomically: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    return "\n".join([f"## {table}", "", markdown_table(rows, cols), "```bash", *commands,
+                      "```", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lab2bench import atomic_write_text, write_jsonl
+
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     got: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
@@ -160,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     tables["scaling"] = scaling_rows(got["stack"])
     for table in args.tables:
         rows = tables[table]
-        write(args.out / f"{table}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        write(args.out / f"{table}.md", markdown(table, rows))
+        write_jsonl(args.out / f"{table}.jsonl", rows)
+        atomic_write_text(args.out / f"{table}.md", markdown(table, rows))
         print(markdown(table, rows), flush=True)
     return 0
 

@@ -54,4 +54,4 @@ def test_cpu_smoke_run_writes_the_tables(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()]
     assert {r["world_size"] for r in rows} == {1, 2}
     assert all(r["scaling_efficiency"] > 0 for r in rows)
-    assert "lab2-train bench stack" in (tmp_path / "stack.md").read_text()
+    assert "apps/trainer/benchmarks/stack.py" in (tmp_path / "stack.md").read_text()
