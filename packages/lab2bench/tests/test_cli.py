@@ -1,4 +1,4 @@
-"""Smoke runs of every suite's --quick form, in-process, and the CLI's plumbing."""
+"""``lab2bench comm``, in-process: its quick sweep and the CLI's plumbing."""
 
 from __future__ import annotations
 
@@ -6,12 +6,6 @@ import pytest
 
 from lab2bench import read_records
 from lab2bench.cli import main
-
-
-def test_list_shows_suites(capsys):
-    assert main(["list"]) == 0
-    out = capsys.readouterr().out
-    assert "norm" in out and "comm" in out
 
 
 def test_no_command_prints_help(capsys):
@@ -37,24 +31,7 @@ def test_comm_quick(world_size, tmp_path, capsys):
     assert (out / "comm_busbw.png").exists() and (out / "comm.md").exists()
 
 
-def test_registered_suite_runs_with_common_options(tmp_path, capsys, monkeypatch):
-    import lab2bench
-    import lab2bench.suites
-
-    monkeypatch.setattr(lab2bench.suites, "_registered", {})  # leave no suite behind
-    seen = {}
-
-    def add_arguments(parser):
-        parser.add_argument("--size", type=int, default=3)
-
-    def run(args):
-        seen.update(quick=args.quick, out=args.out, device=args.device, size=args.size)
-        return 0
-
-    lab2bench.register_suite(lab2bench.Suite("fake-suite", "a suite for tests", add_arguments, run))
-    assert main(["list"]) == 0
-    assert "fake-suite" in capsys.readouterr().out
-    assert main(["fake-suite", "--quick", "--out", str(tmp_path), "--size", "7"]) == 0
-    assert seen == {"quick": True, "out": str(tmp_path), "device": None, "size": 7}
-    with pytest.raises(TypeError, match="Suite"):
-        lab2bench.register_suite(object())
+def test_bad_option_exits_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["comm", "--sizes", "abc"])
+    assert info.value.code == 2 and "not a size" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``lab2bench --help``, ``--version`` and ``list`` answer without importing torch."""
+"""``lab2bench --help``, ``lab2bench comm --help`` and ``--version`` answer without importing
+torch."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import pytest
 from lab2_testing.cli import run_main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["list"], ["norm", "--help"],
-                                  ["norm-host", "--help"], ["comm", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["comm", "--help"]])
 def test_help_imports_no_torch(argv):
     run = run_main("lab2bench.cli", argv)
     assert run.code in (0, None), run
     assert run.slow_imports == [], f"lab2bench {' '.join(argv)} imported {run.slow_imports}"
-    assert "usage: lab2bench" in run.out or "norm" in run.out
+    assert "usage: lab2bench" in run.out and "comm" in run.out
 
 
 def test_version():
