@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import gc
 import statistics
 import sys
@@ -87,8 +86,6 @@ def parser(description: str, *, ranks: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--norm", default=None, help="the model's norm layer")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="FIELD=VALUE", help="override a model field (repeatable)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     p.add_argument("--steps", type=int, default=None, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
@@ -123,16 +120,6 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse
     unknown = [name for name in args.presets if name not in ("micro", *PRESETS)]
     if unknown:
         p.error(f"unknown preset(s) {', '.join(unknown)}")
-    fields = {f.name: type(f.default) for f in dataclasses.fields(ModelConfig)}
-    overrides = {}
-    for item in args.overrides:
-        key, _, value = item.partition("=")
-        if key not in fields or key in ("context_length", "vocab_size", "norm"):
-            p.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a model field with no "
-                    "option of its own")
-        kind = fields[key]
-        overrides[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    args.overrides = overrides
     if args.quick and args.threads is None:
         # On a small shared CPU, a second OpenMP thread waiting at every barrier for a core
         # that another process holds makes tiny ops 100x slower.
@@ -159,12 +146,10 @@ def check_names(p: argparse.ArgumentParser, what: str, names: Iterable[str],
 
 # ----------------------------------------------------------------------- workload
 def build_config(preset: str, *, context_length: int, vocab_size: int | None = None,
-                 norm: str | None = None, overrides: dict[str, Any] | None = None
-                 ) -> ModelConfig:
+                 norm: str | None = None) -> ModelConfig:
     """The configuration of ``preset`` (a trainer preset or ``micro``) at the benchmark's
-    context length, with the optional vocabulary, norm and other field overrides."""
-    fields = {**(overrides or {}), "context_length": context_length, "vocab_size": vocab_size,
-              "norm": norm}
+    context length, with the optional vocabulary and norm (None: the preset's)."""
+    fields = {"context_length": context_length, "vocab_size": vocab_size, "norm": norm}
     if preset == "micro":
         return model_config("tiny", **{**MICRO, **fields})
     return model_config(preset, **fields)
@@ -355,7 +340,6 @@ class RankSpec:
     steps: int
     rounds: int
     variants: list[str]
-    overrides: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     back_to_back: bool = True
     backward_thread: str = "caller"
@@ -365,7 +349,7 @@ def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
               **extra: Any) -> RankSpec:
     return RankSpec(preset, args.context_length, args.batch_size, args.vocab_size, args.norm,
                     args.precision, args.seed, args.warmup, args.steps, args.rounds,
-                    variants, dict(args.overrides), extra, args.timing == "throughput",
+                    variants, extra, args.timing == "throughput",
                     args.backward_thread)
 
 
@@ -409,8 +393,7 @@ def rank_device() -> torch.device:
 def base_model(spec: RankSpec, *, norm: str | None = None) -> nn.Module:
     """The initial model, on the CPU (copied to the device per variant)."""
     config = build_config(spec.preset, context_length=spec.context_length,
-                          vocab_size=spec.vocab_size, norm=norm or spec.norm,
-                          overrides=spec.overrides)
+                          vocab_size=spec.vocab_size, norm=norm or spec.norm)
     return build_model(config, "cpu", seed=spec.seed)
 
 

@@ -28,7 +28,7 @@ def measure_one(args, out: harness.Output, preset: str, ctx: int) -> None:
 
     device = torch.device(args.device)
     config = harness.build_config(preset, context_length=ctx, vocab_size=args.vocab_size,
-                                  norm=args.norm, overrides=args.overrides)
+                                  norm=args.norm)
     model = harness.build_model(config, device, seed=args.seed)
     optimizer = harness.make_optimizer(model)
     batch = harness.random_batch(config, args.batch_size, device, seed=args.seed)

@@ -79,8 +79,7 @@ def time_variant(args, preset: str, v: dict[str, Any]) -> tuple[Any, int, dict, 
 
     device = torch.device(args.device)
     config = harness.build_config(preset, context_length=args.context_length,
-                                  vocab_size=args.vocab_size, norm=v["norm"],
-                                  overrides=args.overrides)
+                                  vocab_size=args.vocab_size, norm=v["norm"])
     model = harness.build_model(config, device, seed=args.seed)
     flops = training_flops_per_token(config, matmul_parameters(model))
     params = sum(p.numel() for p in model.parameters())
