@@ -14,5 +14,5 @@ python3 "$here/zero.py" $C --preset medium --batch-size 8 --warmup 1 --steps 5 -
     --out "$out/zero-medium" 2>&1 | grep -v "^  \[rank"
 # Compiled, xl, 32 x 512: the trainer's default stack and the earlier all-reduce pairing.
 for stack in ours ours-allreduce; do
-    python3 "$here/mfu.py" --preset xl --batch-size 32 --stack $stack
+    python3 "$here/mfu.py" --configs xl:32x512 --stack $stack
 done

@@ -370,6 +370,20 @@ def title(name: str, args: argparse.Namespace) -> str:
             f"{args.backward_thread} thread")
 
 
+def single_rank_group(on_gpu: bool) -> torch.device:
+    """Join a process group of one (NCCL on GPU 0, else Gloo), so that the DDP wrappers and
+    sharded optimizers run as on a rank; returns the device."""
+    import os
+    import tempfile
+
+    store = os.path.join(tempfile.mkdtemp(prefix="lab2-bench-"), "rendezvous")
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}",
+                            rank=0, world_size=1)
+    if on_gpu:
+        torch.cuda.set_device(0)
+    return torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+
+
 def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> list[Any]:
     """Run ``fn(rank, world_size, spec)`` on ``args.world_size`` local ranks."""
     from lab2bench.ranks import RankError, spawn_ranks

@@ -21,8 +21,6 @@ bf16 autocast, forward, backward, gradient synchronisation, fused AdamW::
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 import harness
 import torch
@@ -68,12 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = args.device == "cuda"
     if on_gpu and not torch.cuda.is_available():
         p.error("no CUDA GPU (--device cpu runs a smoke test)")
-    store = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}",
-                            rank=0, world_size=1)
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
+    device = harness.single_rank_group(on_gpu)
     bases, steps = {}, {}
     for text, s in setups.items():
         if s["norm"] not in bases:
