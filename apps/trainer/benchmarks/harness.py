@@ -72,8 +72,10 @@ def split(text: str) -> list[str]:
     return text.split(",")
 
 
-def parser(description: str, *, ranks: bool = False) -> argparse.ArgumentParser:
-    """The options every script takes; with ``ranks``, those of the multi-rank ones."""
+def parser(description: str, *, ranks: bool = False,
+           rounds: bool = True) -> argparse.ArgumentParser:
+    """The options every script takes; with ``ranks``, those of the multi-rank ones; with
+    ``rounds``, ``--rounds`` (variants measured in interleaved rounds)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true",
                    help="micro model on the CPU, done in seconds (a smoke test)")
@@ -92,9 +94,10 @@ def parser(description: str, *, ranks: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--backward-thread", default="caller", choices=list(BACKWARD_THREADS))
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (per rank; default 1 with --quick)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="measure every variant this many times, order rotated each round "
-                        "(default 3; 1 with --quick)")
+    if rounds:
+        p.add_argument("--rounds", type=int, default=None,
+                       help="measure every variant this many times, order rotated each "
+                            "round (default 3; 1 with --quick)")
     if ranks:
         p.add_argument("--world-size", type=int, default=2,
                        help="ranks (Gloo on the CPU, NCCL with one GPU per rank on CUDA)")

@@ -58,7 +58,7 @@ def measure_one(args, out: harness.Output, preset: str, ctx: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = harness.parser(__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__.split("\n\n")[0], rounds=False)
     p.add_argument("--context-lengths", type=lambda s: [int(x) for x in s.split(",")],
                    default=None, help="comma-separated (default: --context-length)")
     p.add_argument("--no-snapshot", action="store_true",
