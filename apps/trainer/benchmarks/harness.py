@@ -2,10 +2,11 @@
 they measure on, the trainer's own set-up and step (timed at named points), N local ranks
 measuring variants in interleaved rounds, and where the rows go.
 
-Every variant is set up by the trainer's own ``parallelize`` and steps the trainer's AdamW
-(decay and no-decay groups, the default betas and weight decay, fused kernels on CUDA), so
-what is measured is what trains. ``micro`` is a bench-only preset (2 layers of width 32):
-every script's ``--quick`` runs it on the CPU in seconds.
+Every script steps the trainer's AdamW (decay and no-decay groups, the default betas and
+weight decay, fused kernels on CUDA), and those that wrap or shard the model set it up with
+the trainer's own ``parallelize`` (:func:`setup`), so what is measured is what trains.
+``micro`` is a bench-only preset (2 layers of width 32): every script's ``--quick`` runs it
+on the CPU in seconds.
 
 Multi-rank scripts (``ddp.py``, ``zero.py``, ``stack.py``) start N ranks with
 ``lab2bench.ranks.spawn_ranks`` (Gloo on the CPU, NCCL with one GPU per rank; a deadline,
