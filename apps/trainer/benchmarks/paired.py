@@ -10,12 +10,15 @@ A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``: NORM tritonnorm or torch
 collective, all the bookkeeping); RULE bucketed's bucket rule, reach (default) or at_most;
 SHARDING the trainer's --sharding (default none; zero1, zero2 and fsdp need DDP none);
 THREAD the thread that runs backward, caller (default) or autograd. A step is the trainer's:
-bf16 autocast, forward, backward, gradient synchronisation, fused AdamW::
+bf16 autocast, forward, backward, gradient synchronisation, fused AdamW (``--compile``: every
+model compiled, as the trainer compiles)::
 
     python apps/trainer/benchmarks/paired.py --preset small \\
         --variants torch:torch+torch tritonnorm:bucketed+zero1-allreduce
     python apps/trainer/benchmarks/paired.py --preset medium \\
         --variants torch:none@autograd torch:none tritonnorm:none tritonnorm:bucketed
+    python apps/trainer/benchmarks/paired.py --preset medium --compile reduce-overhead \\
+        --window 8 --rounds 10 --variants torch:none tritonnorm:none
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="NORM:DDP[:RULE][+SHARDING][@THREAD] ...; the first is the baseline")
     p.add_argument("--rounds", type=int, default=14)
     p.add_argument("--window", type=int, default=5, help="timed steps per window")
+    p.add_argument("--compile", metavar="MODE", default=None,
+                   choices=("default", "reduce-overhead", "max-autotune"),
+                   help="torch.compile every variant's model (Inductor) in this mode")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu (Gloo): a smoke test of the script, with --preset micro")
     args = p.parse_args(argv)
@@ -75,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             bases[s["norm"]] = (harness.build_model(config, "cpu", seed=0),
                                 harness.random_batch(config, args.batch_size, device, seed=0))
         base, batch = bases[s["norm"]]
+        compile_spec = None if args.compile is None else {
+            "backend": "inductor", "mode": None if args.compile == "default" else args.compile}
         variant = harness.setup(harness.fresh_copy(base, device), s["sharding"], device,
-                                ddp=s["ddp"], bucket_rule=s["rule"])
+                                ddp=s["ddp"], bucket_rule=s["rule"], compile=compile_spec)
         steps[text] = (lambda v=variant, b=batch, t=s["thread"]:
                        harness.step_marks(v, b, "bf16", device, t))  # marks go unread
     try:
