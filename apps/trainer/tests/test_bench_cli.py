@@ -173,7 +173,7 @@ def test_prints_without_out():
      (["ddp", "--quick", "--variants", "magic"], "unknown variant"),
      (["step_time", "--quick", "--modes", "sideways"], "unknown mode")],
 )
-def test_bad_options_exit_with_one_line(argv, message):
+def test_bad_options_exit_with_a_usage_error(argv, message):
     done = run_script(*argv)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
