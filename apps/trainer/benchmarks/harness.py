@@ -257,8 +257,8 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
 
     if mode == "forward":
         return loss_of
-    scaler = (torch.amp.GradScaler("cuda") if precision == "fp16" and device.type == "cuda"
-              else None)
+    scaler = (torch.amp.GradScaler("cuda") if mode == "train_step" and precision == "fp16"
+              and device.type == "cuda" else None)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
