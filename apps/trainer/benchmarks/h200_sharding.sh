@@ -3,15 +3,16 @@
 # (the zero1 README's GPU figures). Usage: h200_sharding.sh OUT_DIR
 set -euo pipefail
 out=${1:?usage: h200_sharding.sh OUT_DIR}
+here=$(dirname "$0")
 mkdir -p "$out"
 C="--device cuda --world-size 1 --precision bf16 --context-length 512 --vocab-size 10000"
-# Eager, medium, 8 x 512: every stack of `bench stack`, 3 interleaved rounds.
-lab2-train bench stack $C --preset medium --batch-size 8 --warmup 3 --steps 15 --rounds 3 \
+# Eager, medium, 8 x 512: every stack of stack.py, 3 interleaved rounds.
+python3 "$here/stack.py" $C --preset medium --batch-size 8 --warmup 3 --steps 15 --rounds 3 \
     --out "$out/stack-medium" 2>&1 | grep -v "^  \[rank"
 # Memory and bytes of every kind (one rank: nothing is sent).
-lab2-train bench zero $C --preset medium --batch-size 8 --warmup 1 --steps 5 --rounds 1 \
+python3 "$here/zero.py" $C --preset medium --batch-size 8 --warmup 1 --steps 5 --rounds 1 \
     --out "$out/zero-medium" 2>&1 | grep -v "^  \[rank"
 # Compiled, xl, 32 x 512: the trainer's default stack and the earlier all-reduce pairing.
 for stack in ours ours-allreduce; do
-    python3 "$(dirname "$0")/mfu.py" --preset xl --batch-size 32 --stack $stack
+    python3 "$here/mfu.py" --configs xl:32x512 --stack $stack
 done

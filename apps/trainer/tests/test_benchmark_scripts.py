@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from lab2bench import read_records
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -30,15 +31,22 @@ def test_paired_refuses_a_bad_variant():
     assert done.returncode != 0 and "'ring'" in done.stderr
 
 
-def test_plan_check_measures_and_predicts_on_the_cpu(tmp_path):
+def test_mfu_plan_check_measures_and_predicts_on_the_cpu(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "plan_check.py"), "--device", "cpu", "--out",
+        [sys.executable, str(SCRIPTS / "mfu.py"), "--device", "cpu", "--plan-check", "--out",
          str(tmp_path), "--warmup", "1", "--steps", "1", "--vocab-size", "64", "--configs",
          "medium:2x16:eager:none", "medium:2x16:eager:full", "medium:2x16:eager:selective"],
         capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "plan_check.jsonl").read_text()
-               .splitlines()]
-    assert [r["config"].split(":")[-1] for r in records] == ["none", "full", "selective"]
-    assert all(r["predicted_peak_gib"] > 0 and r["measured_step_ms"] > 0 for r in records)
-    assert "| medium:2x16:eager:full |" in (tmp_path / "plan_check.md").read_text()
+    records = read_records(tmp_path / "mfu.jsonl")
+    assert [r["config"]["config"].split(":")[-1] for r in records] == ["none", "full",
+                                                                       "selective"]
+    assert all(r["metrics"]["predicted_peak_GiB"] > 0 and r["metrics"]["step_ms"] > 0
+               for r in records)
+    assert "| medium:2x16:eager:full |" in (tmp_path / "mfu.md").read_text()
+
+
+def test_mfu_refuses_a_bad_configuration():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "mfu.py"), "--device", "cpu",
+                           "--configs", "medium:8"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "bad configuration 'medium:8'" in done.stderr

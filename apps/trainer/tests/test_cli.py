@@ -4,8 +4,6 @@ input answered by one line on stderr, exit code 2 and no file written."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -127,12 +125,3 @@ def test_resume_extends_a_finished_run(corpus_dir, finished_run, tmp_path):
     assert steps == [4, 5]
     saved = torch.load(out / "ckpt.pt", weights_only=True)
     assert saved["step"] == 5 and saved["model_config"]["d_model"] == 32
-
-
-def test_bench_is_dispatched_lazily(monkeypatch):
-    seen = {}
-    fake = types.ModuleType("lab2_trainer.bench.cli")
-    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, "lab2_trainer.bench.cli", fake)
-    assert main(["bench", "e2e", "--quick"]) == 0
-    assert seen["argv"] == ["e2e", "--quick"]

@@ -35,11 +35,15 @@ HF_LLAMA = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
 
 
 def trainer_model(preset: str, norm: str, batch: int):
-    from lab2_trainer.bench.workload import build_config, build_model, random_batch
+    from lab2_trainer.config import model_config
+    from lab2_trainer.model import TransformerLM
 
-    config = build_config(preset, context_length=512, vocab_size=10000,
+    config = model_config(preset, context_length=512, vocab_size=10000,
                           norm="torch" if norm == "torch" else "tritonnorm")
-    return build_model(config, "cuda", seed=0), random_batch(config, batch, "cuda", seed=0)
+    model = TransformerLM(config, seed=0, device=torch.device("cuda")).train()
+    tokens = torch.randint(0, config.vocab_size, (batch, 513), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    return model, (tokens[:, :-1], tokens[:, 1:])
 
 
 def hf_model(norm: str, batch: int):

@@ -1,4 +1,4 @@
-"""``lab2-train``: train the Transformer LM; ``lab2-train bench ...``: the model-level benchmarks.
+"""``lab2-train``: train the Transformer LM.
 
 With no arguments it trains the ``tiny`` preset on the standard library's sources with 2
 local ranks on the CPU (Gloo, minddp's DDPBucketed, zero1's ShardedOptimizer), or 1 rank on
@@ -66,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     field's default. A bad command line raises :class:`UsageError`."""
     p = _Parser(
         prog="lab2-train",
-        description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1. "
-        "`lab2-train bench --help` lists the benchmark suites.",
+        description="Train a decoder-only Transformer LM on tritonnorm, minddp and zero1.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--config", metavar="FILE.toml",
@@ -304,16 +303,6 @@ def _device_type(requested: str) -> str:
     return resolve_device_type(requested)
 
 
-def _run_bench(argv: list[str]) -> int:
-    try:
-        from lab2_trainer.bench.cli import main as bench_main
-    except ImportError as exc:
-        print(f"lab2-train: error: the bench suites are not available ({exc})", file=sys.stderr)
-        return EXIT_FAILED
-    result = bench_main(argv)
-    return int(result or 0)
-
-
 def _error(message: str) -> int:
     print(f"lab2-train: error: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
@@ -322,8 +311,6 @@ def _error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        return _run_bench(argv[1:])
     if argv[:1] == ["plan"]:
         from lab2_trainer.plan import main as plan_main
 

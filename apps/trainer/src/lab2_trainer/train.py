@@ -25,7 +25,7 @@ rank of this trainer drives one device, so the worker gains nothing; and Python 
 backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
 hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
 state, after a hand-over each way. The trainer therefore runs backward on the caller
-(measured in ``apps/trainer/docs/2026-12-01-h200-backward-thread.md``).
+(measured in ``apps/trainer/docs/benchmarks/2026-12-01-h200-backward-thread.md``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Timing (``measure``, ``Stats``), profiling (``profile``, ``label``), memory
 (``copy_bandwidth``), all-reduce sweeps (``lab2bench.comm.allreduce_sweep``), a launcher
 of local ranks for distributed benchmarks (``spawn_ranks``) and
 reporting (``Recorder``, ``read_records``, ``markdown_table``, ``plot_sweep``,
-``progress``, ``env_info``). The ``lab2bench`` command runs the benchmark suites.
+``progress``, ``env_info``). The ``lab2bench comm`` command runs the all-reduce sweep.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ _EXPORTS = {
     "atomic_write_text": "records",
     "read_records": "records", "write_jsonl": "records",
     "markdown_table": "report", "plot_sweep": "report", "progress": "report",
-    "Suite": "suites", "SuiteOutput": "suites", "register_suite": "suites",
     "Stats": "timing", "measure": "timing",
 }
 
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
         write_jsonl,
     )
     from lab2bench.report import markdown_table, plot_sweep, progress
-    from lab2bench.suites import Suite, SuiteOutput, register_suite
     from lab2bench.timing import Stats, measure
 
 
@@ -83,8 +81,6 @@ __all__ = [
     "RankError",
     "Recorder",
     "Stats",
-    "Suite",
-    "SuiteOutput",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",
@@ -102,7 +98,6 @@ __all__ = [
     "profile",
     "progress",
     "read_records",
-    "register_suite",
     "resolve_device",
     "spawn_ranks",
     "synchronize",

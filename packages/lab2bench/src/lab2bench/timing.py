@@ -279,3 +279,59 @@ def _event_times(repeats: int, dev: torch.device, flush: torch.Tensor | None,
         end.record()
     torch.cuda.synchronize(dev)
     return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+
+def paired_windows(fns: dict[str, Callable[[], Any]], *, rounds: int, window: int,
+                   device: torch.device | str = "cpu", warmup: int = 3) -> dict[str, dict]:
+    """Time several variants in short windows, paired round by round.
+
+    On a host whose speed drifts by tens of percent within seconds, long windows per
+    variant cannot resolve a few percent. Here each round times a window of ``window``
+    back-to-back calls of every variant (one untimed call before each window), in an order
+    rotated by one each round, and compares each variant with the first one *within the
+    round*: the median of those per-round ratios cancels the drift the window means do not.
+
+    Args:
+        fns: the variants by name, each one call (a training step, say); the first is the
+            baseline.
+        rounds: windows per variant.
+        window: timed calls per window.
+        device: waited for around each window.
+        warmup: untimed calls of every variant before the first round.
+
+    Returns:
+        Per variant: ``times_ms`` (ms per call, one per round), ``median_ms``, ``min_ms``,
+        ``ratio`` (median over rounds of the baseline's time over the variant's; > 1: the
+        variant is faster), ``ratio_q1`` and ``ratio_q3`` (its quartiles) and ``diff_ms``
+        (median of the variant's time minus the baseline's).
+    """
+    if rounds < 1 or window < 1 or not fns:
+        raise ValueError("paired_windows needs variants, rounds >= 1 and window >= 1")
+
+    def timed(fn: Callable[[], Any], calls: int) -> float:
+        fn()
+        synchronize(device)
+        start = timeit.default_timer()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        return (timeit.default_timer() - start) / calls * 1e3
+
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timed(fns[name], window))
+    base = times[names[0]]
+    out = {}
+    for name, own in times.items():
+        ratios = [b / t for t, b in zip(own, base)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if rounds > 1 else (ratios[0],) * 3
+        out[name] = {"times_ms": own, "median_ms": statistics.median(own), "min_ms": min(own),
+                     "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+                     "diff_ms": statistics.median(t - b for t, b in zip(own, base))}
+    return out
