@@ -110,7 +110,7 @@ def test_a_run_reruns_from_its_settings_toml(corpus_dir, tmp_path):
         1, "none", "none", "cpu")
     summary = json.loads((first / "summary.json").read_text())
     assert set(summary["versions"]) >= {"lab2-trainer", "tritonnorm", "minddp", "zero1",
-                                        "lab2bench", "torch", "triton"}
+                                        "torch", "triton"}
     assert summary["versions"]["lab2-trainer"] and summary["versions"]["torch"]
     assert "git" in summary and (summary["git"] is None or len(summary["git"]["commit"]) == 40)
 

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.run_folder import atomic_write_text
+from lab2_trainer.run_folder import atomic_write_text, process_start
 
 # ------------------------------------------------------------ process setup and launch
 # Exit code of a rank that stopped on bad input (it already printed one line).
@@ -428,16 +428,6 @@ def signal_name(number: int) -> str:
 
 
 # ------------------------------------------------------------------------ watch folder
-def _process_start(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (tells a live owner from a later process that
-    reuses its pid); None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _owner_gone(info: Any) -> bool:
     """Whether the launcher an owner record names is gone (on this host)."""
     if not isinstance(info, dict):
@@ -451,7 +441,7 @@ def _owner_gone(info: Any) -> bool:
         return True
     except OSError:  # alive under another user, or cannot tell
         return False
-    started, now = info.get("process_start"), _process_start(pid)
+    started, now = info.get("process_start"), process_start(pid)
     return started is not None and now is not None and started != now
 
 
@@ -485,7 +475,7 @@ def make_watch_folder() -> str:
     folder = tempfile.mkdtemp(prefix=WATCH_PREFIX)
     pid = os.getpid()
     atomic_write_text(os.path.join(folder, OWNER_NAME), json.dumps(
-        {"pid": pid, "host": socket.gethostname(), "process_start": _process_start(pid)}))
+        {"pid": pid, "host": socket.gethostname(), "process_start": process_start(pid)}))
     return folder
 
 

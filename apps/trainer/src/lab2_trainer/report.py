@@ -68,7 +68,7 @@ def bytes_as_text(data: bytes) -> str:
 
 
 #: Distributions whose versions summary.json records (None: not installed).
-VERSIONED = ("lab2-trainer", "tritonnorm", "minddp", "zero1", "lab2bench", "torch", "triton")
+VERSIONED = ("lab2-trainer", "tritonnorm", "minddp", "zero1", "torch", "triton")
 
 
 def provenance() -> dict[str, Any]:

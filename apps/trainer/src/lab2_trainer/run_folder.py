@@ -59,7 +59,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.png)?$")
 
 
-def _process_start(pid: int) -> int | None:
+def process_start(pid: int) -> int | None:
     """The kernel's start time of ``pid`` (clock ticks since boot; Linux), to tell a live
     owner from an unrelated process that reuses its pid."""
     try:
@@ -86,7 +86,7 @@ def _owner_alive(info: dict[str, Any]) -> bool:
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 0 or not _pid_alive(pid):
         return False
-    started, now = info.get("process_start"), _process_start(pid)
+    started, now = info.get("process_start"), process_start(pid)
     return started is None or now is None or started == now
 
 
@@ -160,7 +160,7 @@ class RunClaim:
 def _content() -> bytes:
     info = {"pid": os.getpid(), "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "process_start": _process_start(os.getpid())}
+            "process_start": process_start(os.getpid())}
     return (json.dumps(info) + "\n").encode()
 
 
