@@ -10,16 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import ProfilerActivity
 
 from lab2bench.devices import resolve_device, synchronize
 from lab2bench.records import atomic_write_text, temp_file_beside
-
-
-def label(name: str) -> contextlib.AbstractContextManager[Any]:
-    """Name a region so it shows as one row in the profile's table and one span in
-    its trace (``torch.profiler.record_function``). Usable as a decorator too."""
-    return record_function(name)
 
 
 @dataclass
@@ -88,10 +82,8 @@ def profile(
     Example::
 
         with lab2bench.profile("prof", name="step") as prof:
-            with lab2bench.label("forward"):
-                loss = model(x).sum()
-            with lab2bench.label("backward"):
-                loss.backward()
+            loss = model(x).sum()
+            loss.backward()
         print(prof.table)
 
     Args:
