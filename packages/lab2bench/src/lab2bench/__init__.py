@@ -1,7 +1,6 @@
-"""lab2bench: benchmarking and profiling for PyTorch code.
+"""lab2bench: benchmarking for PyTorch code.
 
-Timing (``measure``, ``Stats``), profiling (``profile``), memory
-(``peak_memory``, ``memory_snapshot``), bandwidth
+Timing (``measure``, ``Stats``), memory (``peak_memory``, ``memory_snapshot``), bandwidth
 (``copy_bandwidth``), all-reduce sweeps (``lab2bench.comm.allreduce_sweep``), a launcher
 of local ranks for distributed benchmarks (``spawn_ranks``) and
 reporting (``Recorder``, ``read_records``, ``markdown_table``, ``plot_sweep``,
@@ -24,7 +23,6 @@ _EXPORTS = {
     "env_info": "env", "git_commit": "env",
     "MemorySnapshot": "memory", "PeakMemory": "memory", "memory_snapshot": "memory",
     "peak_memory": "memory",
-    "ProfileResult": "profiling", "profile": "profiling",
     "RankError": "ranks", "spawn_ranks": "ranks",
     "Recorder": "records", "atomic_write": "records", "atomic_write_bytes": "records",
     "atomic_write_text": "records",
@@ -39,7 +37,6 @@ if TYPE_CHECKING:
     from lab2bench.devices import resolve_device, synchronize
     from lab2bench.env import env_info, git_commit
     from lab2bench.memory import MemorySnapshot, PeakMemory, memory_snapshot, peak_memory
-    from lab2bench.profiling import ProfileResult, profile
     from lab2bench.ranks import RankError, spawn_ranks
     from lab2bench.records import (
         Recorder,
@@ -70,7 +67,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "MemorySnapshot",
     "PeakMemory",
-    "ProfileResult",
     "RankError",
     "Recorder",
     "Stats",
@@ -86,7 +82,6 @@ __all__ = [
     "memory_snapshot",
     "peak_memory",
     "plot_sweep",
-    "profile",
     "progress",
     "read_records",
     "resolve_device",
