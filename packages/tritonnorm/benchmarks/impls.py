@@ -1,6 +1,6 @@
 """The RMSNorm implementations that ``kernel_table.py`` and ``host_time.py`` put side by side.
 
-``IMPLS[name](w, b)`` checks that the implementation can run on the weight's device and
+``ALL[name](w, b)`` checks that the implementation can run on the weight's device and
 returns ``(x, w, b) -> y`` (the bias is LayerNorm's), or raises ``Unavailable`` saying why
 it cannot. Liger-Kernel is imported only when asked for.
 """
@@ -91,6 +91,8 @@ CROSSOVER = {f"{name}/{v}": _forced(path, *VARIANTS[v]) for v in VARIANTS
              for path, name in (("kernels", "kernels"), ("torch", "F.rms_norm"))}
 #: Implementations from tritonnorm; the others are the alternatives they are compared to.
 OURS = ("tritonnorm", "tritonnorm-torch", "tritonnorm.rms_norm", *CROSSOVER)
+#: Every name ``--impl`` takes.
+ALL = IMPLS | CROSSOVER
 
 
 def comma_list(choices=None):
@@ -109,7 +111,7 @@ def comma_list(choices=None):
     return parse
 
 
-parse_impls, parse_dtypes = comma_list(IMPLS | CROSSOVER), comma_list(DTYPES)
+parse_impls, parse_dtypes = comma_list(ALL), comma_list(DTYPES)
 parse_ints = comma_list()
 
 

@@ -97,7 +97,7 @@ def norm_cell(name: str, x, w, b, timings: list[str], args) -> list[dict]:
     """One implementation on one input: its error against float64, then per timing its
     forward and forward+backward times; a row with ``note`` where it could not run."""
     try:
-        fn = (impls.CROSSOVER | impls.IMPLS)[name](w, b)
+        fn = impls.ALL[name](w, b)
         with torch.no_grad():
             y = fn(x[:CHECK_ROWS], w, b)
     except Exception as err:  # Unavailable, or an implementation's limit (Liger's H)
@@ -199,7 +199,7 @@ def add_ratios(cell: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impl", type=impls.parse_impls, help="comma-separated: "
-                   f"{', '.join(impls.IMPLS)} (default: all but tritonnorm.rms_norm; "
+                   f"{', '.join(impls.ALL)} (default: all but tritonnorm.rms_norm; "
                    "--quick: also not compile-naive)")
     p.add_argument("--dtype", type=impls.parse_dtypes, help="default float32,bfloat16,float16")
     p.add_argument("--hidden", type=impls.parse_ints, help="hidden sizes H (default "
