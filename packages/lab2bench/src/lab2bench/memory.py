@@ -136,8 +136,7 @@ class MemorySnapshot:
 
 @contextlib.contextmanager
 def memory_snapshot(
-    path_prefix: str | os.PathLike[str], *, max_entries: int = 100_000,
-    device: torch.device | str | None = None,
+    path_prefix: str | os.PathLike[str], *, device: torch.device | str | None = None,
 ) -> Iterator[MemorySnapshot]:
     """Record the CUDA allocator's history during the block and save it.
 
@@ -147,7 +146,6 @@ def memory_snapshot(
 
     Args:
         path_prefix: output path without extension; parent folders are created.
-        max_entries: allocation events kept (older ones are dropped).
         device: the device (default: CUDA if available, else CPU).
     """
     dev = resolve_device(device)
@@ -159,7 +157,7 @@ def memory_snapshot(
         return
     prefix = Path(path_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
         yield result
         synchronize(dev)
