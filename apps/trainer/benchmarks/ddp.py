@@ -78,9 +78,9 @@ def variant_names(p, args) -> list[str]:
 def build_variant(name: str, base, device: torch.device, spec: harness.RankSpec):
     kind, _, mb = name.partition(":")
     return harness.setup(harness.fresh_copy(base, device), "none", device, ddp=DDP_KIND[kind],
-                         bucket_mb=float(mb) if mb else spec.extra["torch_bucket_mb"],
+                         bucket_mb=float(mb) if mb else spec.torch_bucket_mb,
                          reduce_dtype=torch.bfloat16 if kind.endswith("_bf16") else None,
-                         bucket_rule=spec.extra["bucket_rule"])
+                         bucket_rule=spec.bucket_rule)
 
 
 def ddp_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def ddp_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, An
     overlap: dict[str, Any] = {}
 
     def after(name: str, v, rnd: int) -> None:
-        if spec.extra["trace"] and rnd == spec.rounds - 1:
+        if spec.trace and rnd == spec.rounds - 1:
             overlap[name] = traced_step(name, v, batches[0], spec, rank, device)
 
     results = harness.measure_variants(rank, spec, lambda n: build_variant(n, base, device, spec),
@@ -109,7 +109,7 @@ def traced_step(name: str, v, batch, spec: harness.RankSpec, rank: int,
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         harness.step_marks(v, batch, spec.precision, device, spec.backward_thread)()
-    folder = spec.extra["trace_dir"] or tempfile.mkdtemp(prefix="lab2-bench-trace-")
+    folder = spec.trace_dir or tempfile.mkdtemp(prefix="lab2-bench-trace-")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{spec.preset}-{name.replace(':', '-')}-rank{rank}.json")
     prof.export_chrome_trace(path)
@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     trace_dir = os.path.abspath(os.path.join(args.out, "traces")) if args.out else None
     out = harness.Output("ddp", args.out)
     for preset in args.presets:
-        spec = harness.rank_spec(args, preset, names, torch_bucket_mb=args.torch_bucket_mb,
-                                 bucket_rule=args.bucket_rule, trace=args.trace,
-                                 trace_dir=trace_dir)
+        spec = harness.rank_spec(args, preset, names, trace_dir=trace_dir)
         add_rows(out, args, preset, names, harness.launch(ddp_rank, args, spec))
     out.table(COLUMNS + ["overlap_share", "nccl_exposed_share"] * args.trace,
               harness.title("ddp", args))

@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -335,32 +334,16 @@ def step_marks(p: Parallel, batch: tuple[torch.Tensor, torch.Tensor], precision:
 
 
 # ----------------------------------------------------------------------- ranks
-@dataclass
-class RankSpec:
-    """What every rank receives (picklable)."""
-
-    preset: str
-    context_length: int
-    batch_size: int
-    vocab_size: int | None
-    norm: str | None
-    precision: str
-    seed: int
-    warmup: int
-    steps: int
-    rounds: int
-    variants: list[str]
-    extra: dict[str, Any] = field(default_factory=dict)
-    back_to_back: bool = True
-    backward_thread: str = "caller"
+#: What every rank receives: the parsed options, with one preset (:func:`rank_spec`).
+RankSpec = argparse.Namespace
 
 
 def rank_spec(args: argparse.Namespace, preset: str, variants: list[str],
               **extra: Any) -> RankSpec:
-    return RankSpec(preset, args.context_length, args.batch_size, args.vocab_size, args.norm,
-                    args.precision, args.seed, args.warmup, args.steps, args.rounds,
-                    variants, extra, args.timing == "throughput",
-                    args.backward_thread)
+    """The options (picklable) with one ``preset``, the ``variants`` and ``extra`` fields,
+    which replace options of the same name."""
+    return RankSpec(**{**vars(args), "preset": preset, "variants": variants,
+                       "back_to_back": args.timing == "throughput", **extra})
 
 
 def labels(args: argparse.Namespace) -> dict[str, Any]:

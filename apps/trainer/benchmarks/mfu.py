@@ -45,6 +45,7 @@ from lab2_trainer.report import (
     recompute_flops_per_token,
     training_flops_per_token,
 )
+from lab2bench.timing import measure as measure_time
 
 STACKS = {  # norm (None: the preset's), the trainer's --ddp and --sharding
     "ours": ("tritonnorm", "none", "zero1"),
@@ -108,22 +109,13 @@ def measure(cfg: dict, args: argparse.Namespace, device: torch.device) -> tuple[
     for i in range(args.warmup):
         step(i)
     harness.free_memory(device)
-    windows = []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.windows):
-        begin = time.perf_counter()
-        if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            events[0].record()
-        for i in range(args.steps):
-            step(i)
-        if cuda:
-            events[1].record()
-            torch.cuda.synchronize()
-        windows.append((events[0].elapsed_time(events[1]) / 1e3 if cuda
-                        else time.perf_counter() - begin) / args.steps)
+    # Windows of back-to-back steps between CUDA events (wall time on the CPU).
+    windows = [s / args.steps for s in measure_time(
+        lambda: [step(i) for i in range(args.steps)], warmup=0, repeats=args.windows,
+        device=device).samples]
     step_s = min(windows)
     setup_s = time.perf_counter() - start - sum(windows) * args.steps
     tokens_per_s = cfg["batch"] * config.context_length / step_s

@@ -42,7 +42,7 @@ def norm_of(side: str) -> str:
 
 def stack_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, Any]:
     device = harness.rank_device()
-    if spec.extra["compile"] is not None:
+    if spec.compile is not None:
         import torch._dynamo
 
         # Every round compiles fresh copies: keep later rounds from falling back to eager.
@@ -54,9 +54,9 @@ def stack_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, 
         sharding, kind_ddp, reshard = harness.SHARDINGS[kind]
         return harness.setup(harness.fresh_copy(bases[side], device), sharding, device,
                              ddp=ddp if ddp and kind_ddp != "none" else kind_ddp,
-                             reshard=reshard, compile=spec.extra["compile"],
-                             bucket_mb=spec.extra["bucket_mb"],
-                             bucket_rule=spec.extra["bucket_rule"])
+                             reshard=reshard, compile=spec.compile,
+                             bucket_mb=spec.bucket_mb,
+                             bucket_rule=spec.bucket_rule)
 
     results = harness.measure_variants(rank, spec, build,
                                        harness.rank_batches(bases["ours"], spec, rank, device))
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = "no" if compile_spec is None else ", ".join(filter(None, compile_spec.values()))
     out = harness.Output("stack", args.out)
     for preset in args.presets:
-        spec = harness.rank_spec(args, preset, kinds, bucket_mb=args.bucket_mb,
-                                 bucket_rule=args.bucket_rule, compile=compile_spec)
+        spec = harness.rank_spec(args, preset, kinds, compile=compile_spec)
         per_rank = harness.launch(stack_rank, args, spec)
         summary = {n: harness.summarize(per_rank, n) for n in kinds}
         tokens = args.world_size * args.batch_size * args.context_length

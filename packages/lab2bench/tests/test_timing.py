@@ -45,7 +45,7 @@ def test_stats_exact_on_fake_clock():
     assert stats.max == pytest.approx(0.010)
     assert stats.n == 5
     assert stats.median_ms == pytest.approx(3.0)
-    assert stats.ms("max") == pytest.approx(10.0)
+    assert stats.max_ms == pytest.approx(10.0)
 
 
 @pytest.mark.parametrize("warmup,repeats", [(0, 1), (3, 4), (5, 2)])

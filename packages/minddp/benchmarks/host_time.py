@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab2bench.profiling import profile as lab2bench_profile
 from lab2bench.report import markdown_table
 
 DEFAULT_VARIANTS = ("local", "torch:25", "torch:0.008", "individual", "bucketed:25",
@@ -199,18 +198,17 @@ def report(samples: dict[str, list[list[tuple]]], collectives: dict[str, int | N
     print(markdown_table(rows, floatfmt=".0f"))
 
 
-def profile(variant: str, args: argparse.Namespace, out_dir: str) -> None:
+def profile(variant: str, args: argparse.Namespace) -> None:
     """The torch profiler's table of a few steps: where the host time goes."""
     model = build_model(args.blocks, args.width)
     runner, finish = wrap(variant, model)
     x = torch.randn(args.batch, args.width)
     for _ in range(args.warmup):
         one_step(model, runner, finish, x)
-    with lab2bench_profile(out_dir, device="cpu", with_stack=False, record_shapes=False,
-                           row_limit=args.rows) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             one_step(model, runner, finish, x)
-    print(prof.table)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                                 rank=0, world_size=1)
         try:
             if args.profile:
-                profile(args.profile, args, tmp)
+                profile(args.profile, args)
             else:
                 n = sum(p.numel() > 0 for p in build_model(args.blocks, args.width).parameters())
                 print(f"torch {torch.__version__}, python {sys.version.split()[0]}, "

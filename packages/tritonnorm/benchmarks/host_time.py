@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from impls import DTYPES, IMPLS, SLOW_SETUP, parse_dtypes, parse_impls, parse_ints, short
+from impls import ALL, DTYPES, IMPLS, SLOW_SETUP, parse_dtypes, parse_impls, parse_ints, short
 
 from lab2bench.env import env_info
 from lab2bench.records import Recorder, atomic_write_text
@@ -117,7 +117,7 @@ def measure_cell(names: list[str], dtype, hidden: int, rows: int, device, calls:
     status = {OP: "ok", OP_EACH: "ok"}
     for name in names:
         try:
-            case = Case(name, IMPLS[name](w, b), x, w, b, g, calls)
+            case = Case(name, ALL[name](w, b), x, w, b, g, calls)
             case.fn(case.xs[0], case.ws[0], case.bs[0]).backward(g)  # can it run here?
             case.clear()
             cases.append(case)

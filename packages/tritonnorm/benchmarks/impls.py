@@ -1,6 +1,6 @@
 """The RMSNorm implementations that ``kernel_table.py`` and ``host_time.py`` put side by side.
 
-``IMPLS[name](w, b)`` checks that the implementation can run on the weight's device and
+``ALL[name](w, b)`` checks that the implementation can run on the weight's device and
 returns ``(x, w, b) -> y`` (the bias is LayerNorm's), or raises ``Unavailable`` saying why
 it cannot. Liger-Kernel is imported only when asked for.
 """
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import tritonnorm
+from tritonnorm.ops import OPTIONS
 
 EPS = 1e-5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Implementations from tritonnorm; the others are the alternatives they are compared to.
-OURS = ("tritonnorm", "tritonnorm-torch", "tritonnorm.rms_norm")
 #: Left out of ``--quick`` unless named with ``--impl``: setting them up takes long.
 SLOW_SETUP = ("compile-naive",)
 
@@ -76,6 +75,26 @@ IMPLS = {
 }
 
 
+def _forced(path: str, mode: str, offset: float, weight: bool):
+    def fn(x, w, b):
+        with OPTIONS.override(eager_dispatch=path):
+            return tritonnorm.rms_norm(x, w if weight else None, EPS, casting_mode=mode,
+                                       offset=offset)
+    return lambda w, b: fn
+
+
+#: ``kernel_table.py --crossover``: name -> (casting mode, offset, has a weight).
+VARIANTS = {"plain": ("none", 0.0, True), "gemma": ("gemma", 1.0, True),
+            "no-weight": ("none", 0.0, False)}
+#: tritonnorm.rms_norm per variant with its eager path forced: the Triton kernels or F.rms_norm.
+CROSSOVER = {f"{name}/{v}": _forced(path, *VARIANTS[v]) for v in VARIANTS
+             for path, name in (("kernels", "kernels"), ("torch", "F.rms_norm"))}
+#: Implementations from tritonnorm; the others are the alternatives they are compared to.
+OURS = ("tritonnorm", "tritonnorm-torch", "tritonnorm.rms_norm", *CROSSOVER)
+#: Every name ``--impl`` takes.
+ALL = IMPLS | CROSSOVER
+
+
 def comma_list(choices=None):
     """An argparse type: comma-separated values, in order, each once; names among
     ``choices``, or positive integers without ``choices`` (``--hidden 1024,2048``)."""
@@ -92,7 +111,8 @@ def comma_list(choices=None):
     return parse
 
 
-parse_impls, parse_dtypes, parse_ints = comma_list(IMPLS), comma_list(DTYPES), comma_list()
+parse_impls, parse_dtypes = comma_list(ALL), comma_list(DTYPES)
+parse_ints = comma_list()
 
 
 def short(err: BaseException, limit: int = 300) -> str:

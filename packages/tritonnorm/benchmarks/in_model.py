@@ -9,24 +9,27 @@ thread), order rotated each round; the ratio is the median over rounds of (the u
 model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
 tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
 (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
-(``OPTIONS.compiled_dispatch``) compiled. One JSON line per variant goes to ``--out``.
+(``OPTIONS.compiled_dispatch``) compiled. ``--liger`` adds, to the HF model's eager cells,
+Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note where ``liger_kernel``
+does not import). The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
+variant goes to ``--out``.
 
     python packages/tritonnorm/benchmarks/in_model.py --model trainer --presets small,medium \\
         --batches 8,32 --modes eager,default,reduce-overhead --out trainer.jsonl
     python packages/tritonnorm/benchmarks/in_model.py --model hf --modes eager,default \\
-        --all-paths --out hf.jsonl
+        --all-paths --liger --out hf.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
+from lab2bench.timing import paired_windows
 from tritonnorm import replace_rms_norms
 from tritonnorm.ops import OPTIONS
 
@@ -48,10 +51,20 @@ def trainer_model(preset: str, norm: str, batch: int):
 
 def hf_model(norm: str, batch: int):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**HF_LLAMA)).cuda().train()
-    if norm != "torch":
+    if norm == "liger":  # its patch also replaces transformers' LlamaRMSNorm: restored
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        original = modeling_llama.LlamaRMSNorm
+        try:
+            apply_liger_kernel_to_llama(rope=False, cross_entropy=False, swiglu=False,
+                                        fused_linear_cross_entropy=False, model=model)
+        finally:
+            modeling_llama.LlamaRMSNorm = original
+    elif norm != "torch":
         replace_rms_norms(model)
     tokens = torch.randint(0, HF_LLAMA["vocab_size"], (batch, 1025), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
@@ -85,16 +98,6 @@ COMPILED = {"tritonnorm": {}, "tritonnorm-kernels": {"compiled_dispatch": "kerne
             "tritonnorm-inductor": {"compiled_dispatch": "inductor"}}
 
 
-def window(step, n: int) -> float:
-    step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("trainer", "hf"), default="trainer")
@@ -106,6 +109,8 @@ def main() -> None:
     p.add_argument("--all-paths", action="store_true",
                    help="also time tritonnorm with each path forced (eager: kernels, "
                         "F.rms_norm; compiled: kernels, Inductor's own)")
+    p.add_argument("--liger", action="store_true",
+                   help="--model hf, eager: also Liger-Kernel's RMSNorm patch alone")
     p.add_argument("--out", default="in_model.jsonl")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -116,23 +121,23 @@ def main() -> None:
             for mode in args.modes.split(","):
                 table = EAGER if mode == "eager" else COMPILED
                 names = ["torch", "tritonnorm"] + (list(table)[1:] if args.all_paths else [])
+                names += ["liger"] * (args.liger and args.model == "hf" and mode == "eager")
                 steps = {}
                 for name in names:
-                    norm = "torch" if name == "torch" else "tritonnorm"
-                    model, data = (trainer_model(preset, norm, batch) if args.model == "trainer"
-                                   else hf_model(norm, batch))
+                    norm = name if name in ("torch", "liger") else "tritonnorm"
+                    try:
+                        model, data = (trainer_model(preset, norm, batch)
+                                       if args.model == "trainer" else hf_model(norm, batch))
+                    except ImportError as err:  # --liger where liger_kernel does not import
+                        print(f"note: {name} left out: {err}", file=sys.stderr)
+                        continue
                     steps[name] = make_step(model, data, mode, table.get(name, {}))
-                    window(steps[name], 3)  # compile, autotune, fill the allocator
-                times = {name: [] for name in names}
-                for r in range(args.rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
-                        times[name].append(window(steps[name], args.window))
-                base = times["torch"]
+                result = paired_windows(steps, rounds=args.rounds, window=args.window,
+                                        device="cuda")  # warm-up: compile, autotune, allocator
                 with open(args.out, "a") as f:
-                    for name, t in times.items():
+                    for name, r in result.items():
                         rec = dict(model=args.model, preset=preset, batch=batch, mode=mode,
-                                   variant=name, median_ms=statistics.median(t),
-                                   ratio=statistics.median(b / x for b, x in zip(base, t)),
+                                   variant=name, median_ms=r["median_ms"], ratio=r["ratio"],
                                    rounds=args.rounds, window=args.window)
                         f.write(json.dumps(rec) + "\n")
                         print(json.dumps(rec), flush=True)

@@ -1,8 +1,11 @@
 """RMSNorm implementations side by side: time, bandwidth and share of the copy bandwidth,
 forward and forward+backward, each cell checked against float64; ``--fused-add`` does the
-same for ``fused_add_rms_norm``.
+same for ``fused_add_rms_norm``; ``--crossover`` times ``tritonnorm.rms_norm`` with its eager
+path forced (the Triton kernels, ``F.rms_norm``), per variant (plain, Gemma's offset, no
+weight), without the L2 flush: where the eager call is host-bound, which path wins.
 
     python packages/tritonnorm/benchmarks/kernel_table.py --out DIR          # the full table
+    python packages/tritonnorm/benchmarks/kernel_table.py --crossover --out DIR
     python packages/tritonnorm/benchmarks/kernel_table.py --timing both \
         --impl tritonnorm,F.rms_norm,liger,compile-naive
     python packages/tritonnorm/benchmarks/kernel_table.py --fused-add
@@ -44,6 +47,9 @@ LARGE_ROWS, LARGE_HIDDEN, LARGE_DTYPE = 4096, (65_536, 131_072), "bfloat16"
 QUICK_ROWS, QUICK_HIDDEN = 64, (128, 512)
 FUSED_ADD_DTYPES, FUSED_ADD_HIDDEN = ("bfloat16", "float32"), (1024, 4096)
 FUSED_ADD_BASELINE = "compile(add+nn.RMSNorm)"
+#: ``--crossover``'s cells.
+CROSSOVER_DTYPES, CROSSOVER_HIDDEN = ("bfloat16", "float32"), (512, 1024, 2048, 4096, 8192)
+CROSSOVER_ROWS = (8 * 512, 32 * 512, 50_000)
 #: Error tolerated (norm-relative, against float64) before a row is flagged.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
 CHECK_ROWS = 1024  # rows compared with float64 (the op is row-wise)
@@ -72,7 +78,7 @@ def timed_rows(name: str, timings: list[str], args: argparse.Namespace, device: 
     """One row per timing: the median ms of each phase (``phases``: name -> (fn, whether
     the backward of fn's output is timed too)), or a ``note`` where timing failed."""
     kw = dict(warmup=args.warmup, repeats=args.repeats, device=device,
-              flush_l2=device.type == "cuda")
+              flush_l2=device.type == "cuda" and not args.crossover)
     rows = []
     for timing in timings:
         timer = graph_time if timing == "graph" else measure
@@ -91,13 +97,15 @@ def norm_cell(name: str, x, w, b, timings: list[str], args) -> list[dict]:
     """One implementation on one input: its error against float64, then per timing its
     forward and forward+backward times; a row with ``note`` where it could not run."""
     try:
-        fn = impls.IMPLS[name](w, b)
+        fn = impls.ALL[name](w, b)
         with torch.no_grad():
             y = fn(x[:CHECK_ROWS], w, b)
     except Exception as err:  # Unavailable, or an implementation's limit (Liger's H)
         note = str(err) if isinstance(err, impls.Unavailable) else impls.short(err)
         return [{"impl": name, "timing": "/".join(timings), "note": note}]
-    err = rel_err(y, reference(x[:CHECK_ROWS], w, b, name != "F.layer_norm"))
+    mode, offset, has_w = impls.VARIANTS.get(name.partition("/")[2], ("none", 0.0, True))
+    gain = w.double() + offset if has_w else torch.ones_like(w, dtype=torch.float64)
+    err = rel_err(y, reference(x[:CHECK_ROWS], gain, b, name != "F.layer_norm"))
     xg = x.detach().requires_grad_(True)
     leaves = [xg, w.requires_grad_(True), b.requires_grad_(True)]
 
@@ -191,7 +199,7 @@ def add_ratios(cell: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impl", type=impls.parse_impls, help="comma-separated: "
-                   f"{', '.join(impls.IMPLS)} (default: all but tritonnorm.rms_norm; "
+                   f"{', '.join(impls.ALL)} (default: all but tritonnorm.rms_norm; "
                    "--quick: also not compile-naive)")
     p.add_argument("--dtype", type=impls.parse_dtypes, help="default float32,bfloat16,float16")
     p.add_argument("--hidden", type=impls.parse_ints, help="hidden sizes H (default "
@@ -203,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="default both on CUDA, eager on the CPU")
     p.add_argument("--fused-add", action="store_true",
                    help=f"fused_add_rms_norm instead ({FUSED_ADD_DTYPES} x H {FUSED_ADD_HIDDEN})")
+    p.add_argument("--crossover", action="store_true", help="the eager paths of rms_norm forced, "
+                   f"per variant ({CROSSOVER_DTYPES} x H {CROSSOVER_HIDDEN} x {CROSSOVER_ROWS})")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls")
     p.add_argument("--repeats", type=int, default=30, help="timed calls; the median is shown")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke run")
@@ -218,16 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     if timing != "eager" and device.type != "cuda":
         p.error("--timing graph/both needs a CUDA device")
     timings = ["eager", "graph"] if timing == "both" else [timing]
-    names = args.impl or [n for n in impls.IMPLS if n != "tritonnorm.rms_norm"
-                          and not (args.quick and n in impls.SLOW_SETUP)]
-    rows_set = args.rows or [QUICK_ROWS if args.quick else ROWS]
-    hidden = args.hidden or (QUICK_HIDDEN if args.quick else
-                             FUSED_ADD_HIDDEN if args.fused_add else HIDDEN)
-    dtypes = args.dtype or (["float32"] if args.quick else
-                            list(FUSED_ADD_DTYPES if args.fused_add else impls.DTYPES))
+    names = args.impl or (list(impls.CROSSOVER) if args.crossover else [
+        n for n in impls.IMPLS if n != "tritonnorm.rms_norm"
+        and not (args.quick and n in impls.SLOW_SETUP)])
+    rows_set = args.rows or ([QUICK_ROWS] if args.quick else CROSSOVER_ROWS if args.crossover
+                             else [ROWS])
+    hidden = args.hidden or (QUICK_HIDDEN if args.quick else FUSED_ADD_HIDDEN if args.fused_add
+                             else CROSSOVER_HIDDEN if args.crossover else HIDDEN)
+    dtypes = args.dtype or (["float32"] if args.quick else list(
+        FUSED_ADD_DTYPES if args.fused_add else CROSSOVER_DTYPES if args.crossover
+        else impls.DTYPES))
     cells = [(d, h, n) for d in dtypes for h in hidden for n in rows_set]
-    if not (args.quick or args.fused_add or args.hidden or args.rows or args.no_large) \
-            and LARGE_DTYPE in dtypes:
+    if not (args.quick or args.fused_add or args.crossover or args.hidden or args.rows
+            or args.no_large) and LARGE_DTYPE in dtypes:
         cells += [(LARGE_DTYPE, h, LARGE_ROWS) for h in LARGE_HIDDEN]
     if args.fused_add:
         names = ["tritonnorm"] + ([] if args.quick else [FUSED_ADD_BASELINE])

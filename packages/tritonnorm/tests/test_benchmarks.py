@@ -81,6 +81,21 @@ def test_kernel_table_fused_add_quick(capsys):
     assert "| float32 | 64 | 8 | tritonnorm | eager |" in capsys.readouterr().out
 
 
+def test_kernel_table_crossover_quick(tmp_path):
+    """--crossover: rms_norm with each eager path forced, per variant, checked against
+    float64 with the variant's gain (Gemma's 1 + w, no weight's 1)."""
+    out = tmp_path / "out"
+    assert script("kernel_table").main(["--quick", "--crossover", "--hidden", "64", "--rows",
+                                        "8", "--out", str(out)]) == 0
+    rows = read_records(out / "norm.jsonl", suite="norm")
+    measured = {r["config"]["impl"]: r["metrics"] for r in rows
+                if r["config"]["impl"] != "copy"}
+    assert set(measured) == {f"{path}/{variant}" for path in ("kernels", "F.rms_norm")
+                             for variant in ("plain", "gemma", "no-weight")}
+    for m in measured.values():
+        assert m["status"] == "ok" and m["fwdbwd_ms"] > 0 and m["rel_err"] < 1e-5, m
+
+
 @pytest.mark.triton
 def test_kernel_table_runs_the_triton_kernels(tmp_path):
     """In the triton-interpret session: tritonnorm's Triton kernels in the table, and the

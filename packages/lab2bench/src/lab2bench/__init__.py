@@ -1,7 +1,6 @@
-"""lab2bench: benchmarking and profiling for PyTorch code.
+"""lab2bench: benchmarking for PyTorch code.
 
-Timing (``measure``, ``Stats``), profiling (``profile``, ``label``), memory
-(``peak_memory``, ``memory_snapshot``, ``tensor_bytes``), bandwidth
+Timing (``measure``, ``Stats``), memory (``peak_memory``, ``memory_snapshot``), bandwidth
 (``copy_bandwidth``), all-reduce sweeps (``lab2bench.comm.allreduce_sweep``), a launcher
 of local ranks for distributed benchmarks (``spawn_ranks``) and
 reporting (``Recorder``, ``read_records``, ``markdown_table``, ``plot_sweep``,
@@ -19,33 +18,25 @@ __version__ = "0.6.0"
 # `lab2bench --help` it serves do not import torch.
 _EXPORTS = {
     "comm": None,
-    "copy_bandwidth": "bandwidth", "copy_bandwidth_stats": "bandwidth",
+    "copy_bandwidth": "bandwidth",
     "resolve_device": "devices", "synchronize": "devices",
     "env_info": "env", "git_commit": "env",
     "MemorySnapshot": "memory", "PeakMemory": "memory", "memory_snapshot": "memory",
-    "peak_memory": "memory", "tensor_bytes": "memory",
-    "ProfileResult": "profiling", "label": "profiling", "profile": "profiling",
+    "peak_memory": "memory",
     "RankError": "ranks", "spawn_ranks": "ranks",
     "Recorder": "records", "atomic_write": "records", "atomic_write_bytes": "records",
     "atomic_write_text": "records",
-    "read_records": "records", "write_jsonl": "records",
+    "read_records": "records",
     "markdown_table": "report", "plot_sweep": "report", "progress": "report",
     "Stats": "timing", "measure": "timing",
 }
 
 if TYPE_CHECKING:
     from lab2bench import comm
-    from lab2bench.bandwidth import copy_bandwidth, copy_bandwidth_stats
+    from lab2bench.bandwidth import copy_bandwidth
     from lab2bench.devices import resolve_device, synchronize
     from lab2bench.env import env_info, git_commit
-    from lab2bench.memory import (
-        MemorySnapshot,
-        PeakMemory,
-        memory_snapshot,
-        peak_memory,
-        tensor_bytes,
-    )
-    from lab2bench.profiling import ProfileResult, label, profile
+    from lab2bench.memory import MemorySnapshot, PeakMemory, memory_snapshot, peak_memory
     from lab2bench.ranks import RankError, spawn_ranks
     from lab2bench.records import (
         Recorder,
@@ -53,7 +44,6 @@ if TYPE_CHECKING:
         atomic_write_bytes,
         atomic_write_text,
         read_records,
-        write_jsonl,
     )
     from lab2bench.report import markdown_table, plot_sweep, progress
     from lab2bench.timing import Stats, measure
@@ -77,7 +67,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "MemorySnapshot",
     "PeakMemory",
-    "ProfileResult",
     "RankError",
     "Recorder",
     "Stats",
@@ -86,21 +75,16 @@ __all__ = [
     "atomic_write_text",
     "comm",
     "copy_bandwidth",
-    "copy_bandwidth_stats",
     "env_info",
     "git_commit",
-    "label",
     "markdown_table",
     "measure",
     "memory_snapshot",
     "peak_memory",
     "plot_sweep",
-    "profile",
     "progress",
     "read_records",
     "resolve_device",
     "spawn_ranks",
     "synchronize",
-    "tensor_bytes",
-    "write_jsonl",
 ]

@@ -5,17 +5,17 @@ from __future__ import annotations
 import torch
 
 from lab2bench.devices import resolve_device
-from lab2bench.timing import Stats, measure
+from lab2bench.timing import measure
 
 #: Default copy size: large enough that launch overhead and caches do not matter.
 CUDA_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 64 << 20
 
 
-def copy_bandwidth_stats(device: torch.device | str | None = None, nbytes: int | None = None,
-                         *, warmup: int = 3, repeats: int = 20) -> tuple[float, Stats]:
+def copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
+                   *, warmup: int = 3, repeats: int = 20) -> float:
     """Bytes per second moved by ``dst.copy_(src)``, counting the read and the write (the
-    median of ``repeats`` timed copies, L2 flushed on CUDA), and the timing ``Stats``.
+    median of ``repeats`` timed copies, L2 flushed on CUDA).
 
     This is the ceiling a memory-bound kernel can hope for on this device (on an H200 about
     4.3e12). ``device``: default CUDA if available, else CPU; ``nbytes``: the source
@@ -30,10 +30,4 @@ def copy_bandwidth_stats(device: torch.device | str | None = None, nbytes: int |
     dst = torch.empty_like(src)
     stats = measure(lambda: dst.copy_(src), warmup=warmup, repeats=repeats, device=dev,
                     flush_l2=dev.type == "cuda")
-    return 2 * src.numel() * 4 / stats.median, stats  # every byte read once, written once
-
-
-def copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
-                   *, warmup: int = 3, repeats: int = 20) -> float:
-    """``copy_bandwidth_stats``'s bytes per second alone."""
-    return copy_bandwidth_stats(device, nbytes, warmup=warmup, repeats=repeats)[0]
+    return 2 * src.numel() * 4 / stats.median  # every byte read once, written once

@@ -160,7 +160,6 @@ def allreduce_sweep(
     timeout: float = 600.0,
     dtype: torch.dtype | None = None,
     on_error: str = "raise",
-    show_progress: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Time ``all_reduce`` (sum) over every backend x device x world size x size.
 
@@ -176,7 +175,6 @@ def allreduce_sweep(
         dtype: element type of the tensors (default float32).
         on_error: ``"raise"`` raises ``CommBenchError`` when a cell fails; ``"record"``
             adds a row with ``status="failed"`` and the error in ``note``, and goes on.
-        show_progress: a progress bar over the cells (default: when stderr is a tty).
 
     Returns:
         One dict per (backend, device, world size, size): ``status`` ``"ok"`` with
@@ -212,9 +210,7 @@ def allreduce_sweep(
 
     cells = [(b, d, int(w)) for b in backends for d in devices for w in world_sizes]
     rows: list[dict[str, Any]] = []
-    for backend, device, world_size in _progress(cells, description="all-reduce",
-                                                 disable=None if show_progress is None
-                                                 else not show_progress):
+    for backend, device, world_size in _progress(cells, description="all-reduce"):
         base = {"backend": backend, "device": device, "world_size": world_size,
                 "dtype": str(dtype).replace("torch.", "")}
         reason = _infeasible(backend, device, world_size, max(sizes), dtype)

@@ -1,4 +1,4 @@
-"""Memory of a region: peak bytes, the CUDA allocator's snapshot, tensor sizes.
+"""Memory of a region: peak bytes and the CUDA allocator's snapshot.
 
 On CUDA the figures come from the caching allocator (bytes held by tensors, not
 what ``nvidia-smi`` shows). On the CPU there is no allocator to ask, so the peak
@@ -13,7 +13,7 @@ import os
 import pickle
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,8 +136,7 @@ class MemorySnapshot:
 
 @contextlib.contextmanager
 def memory_snapshot(
-    path_prefix: str | os.PathLike[str], *, max_entries: int = 100_000,
-    device: torch.device | str | None = None,
+    path_prefix: str | os.PathLike[str], *, device: torch.device | str | None = None,
 ) -> Iterator[MemorySnapshot]:
     """Record the CUDA allocator's history during the block and save it.
 
@@ -147,7 +146,6 @@ def memory_snapshot(
 
     Args:
         path_prefix: output path without extension; parent folders are created.
-        max_entries: allocation events kept (older ones are dropped).
         device: the device (default: CUDA if available, else CPU).
     """
     dev = resolve_device(device)
@@ -159,7 +157,7 @@ def memory_snapshot(
         return
     prefix = Path(path_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
         yield result
         synchronize(dev)
@@ -178,42 +176,3 @@ def memory_snapshot(
         result.note = f"HTML timeline not written: {type(err).__name__}: {err}"
         warnings.warn(result.note, RuntimeWarning, stacklevel=3)
 
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of the elements of the tensors given: ``numel * element_size`` each.
-
-    A tensor met twice (tied weights, a state dict naming one tensor under two
-    keys) counts once; distinct views into one storage count each. Empty tensors
-    count nothing.
-
-    Args:
-        tensors: a tensor, an ``nn.Module`` (its parameters and buffers), a mapping
-            (its values, e.g. a state dict or optimizer state), or any nested
-            iterable of those. Other objects (numbers, strings, None) count nothing.
-    """
-    seen: set[tuple[int, int, torch.dtype]] = set()
-    total = 0
-
-    def visit(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            # Meta and fake tensors have no address; tell them apart by identity.
-            key = (obj.data_ptr() or id(obj), obj.numel(), obj.dtype)
-            if obj.numel() == 0 or key in seen:
-                return
-            seen.add(key)
-            total += obj.numel() * obj.element_size()
-        elif isinstance(obj, torch.nn.Module):
-            for t in obj.parameters():
-                visit(t)
-            for t in obj.buffers():
-                visit(t)
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                visit(v)
-        elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-            for v in obj:
-                visit(v)
-
-    visit(tensors)
-    return total

@@ -10,7 +10,7 @@ import os
 import secrets
 import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -113,8 +113,7 @@ class Recorder:
     Each line is ``{"suite", "run_id", "timestamp", "config", "metrics", "env"}``:
     ``config`` says what was measured, ``metrics`` what came out, ``env`` where
     (``env_info()``: device, versions, git commit, host). Lines are appended and
-    flushed one by one, so a run that dies keeps what it measured; ``records``
-    keeps this run's lines in memory (``write_jsonl`` writes them elsewhere atomically).
+    flushed one by one, so a run that dies keeps what it measured.
 
     Args:
         path: the JSONL file (created with its folders; appended to if it exists).
@@ -129,7 +128,6 @@ class Recorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self._env = env
-        self.records: list[dict[str, Any]] = []
 
     @property
     def env(self) -> dict[str, Any]:
@@ -154,19 +152,12 @@ class Recorder:
                            "config": config, "metrics": metrics, "env": self.env})
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, allow_nan=False) + "\n")
-        self.records.append(rec)
         return rec
-
-
-def write_jsonl(path: str | os.PathLike[str], records: Iterable[dict[str, Any]]) -> Path:
-    """Write ``records`` as JSON lines to ``path``, atomically."""
-    text = "".join(json.dumps(to_jsonable(r), allow_nan=False) + "\n" for r in records)
-    return atomic_write_text(path, text)
 
 
 def read_records(path: str | os.PathLike[str], *, suite: str | None = None,
                  run_id: str | None = None) -> list[dict[str, Any]]:
-    """Read a JSONL file written by ``Recorder`` (or ``write_jsonl``).
+    """Read a JSONL file written by ``Recorder``.
 
     A last line cut short (a run killed mid-write) is skipped with a warning; a bad
     line elsewhere raises ``ValueError`` naming its line number.

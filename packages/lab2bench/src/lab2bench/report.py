@@ -91,7 +91,6 @@ def plot_sweep(
     path: str | os.PathLike[str],
     title: str | None = None,
     logx: bool = False,
-    logy: bool = False,
     xlabel: str | None = None,
     ylabel: str | None = None,
 ) -> Path:
@@ -109,7 +108,6 @@ def plot_sweep(
         path: the PNG to write (folders are created).
         title: the figure's title.
         logx: log scale on x (base 2 when every x is a power of two).
-        logy: log scale on y.
         xlabel: x axis label (default: ``x``).
         ylabel: y axis label (default: ``y``).
 
@@ -141,8 +139,6 @@ def plot_sweep(
         powers_of_two = all(v > 0 and float(v).is_integer() and int(v) & (int(v) - 1) == 0
                             for v in xs)
         ax.set_xscale("log", base=2 if powers_of_two else 10)
-    if logy:
-        ax.set_yscale("log")
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel or y)
     if title:

@@ -71,12 +71,6 @@ class Stats:
     min_ms = property(lambda self: self.min * 1e3)
     max_ms = property(lambda self: self.max * 1e3)
 
-    def ms(self, stat: str = "median") -> float:
-        """One statistic (``"mean"``, ``"std"``, ``"median"``, ``"min"``, ``"max"``) in ms."""
-        if stat not in ("mean", "std", "median", "min", "max"):
-            raise ValueError(f"unknown statistic {stat!r}; use mean, std, median, min or max")
-        return getattr(self, stat) * 1e3
-
     def to_dict(self, *, unit: str = "s", samples: bool = True) -> dict[str, Any]:
         """The statistics as a JSON-ready dict.
 
