@@ -162,10 +162,10 @@ class KernelOptions:
     in 16-bit dtypes the kernels' eager forward+backward was at or below ``F.rms_norm``'s at
     every size from 2 M to 410 M elements (its fused backward takes 2-5x the device time),
     so "auto" never picks PyTorch there. In float32 (the residual stream under autocast),
-    inside whole models: the trainer's at batch 8 x 512 (3-4 M elements a norm) stepped 1-2% faster on
-    ``F.rms_norm``'s path, at 32 x 512 (13-17 M) 11% slower than on the kernels, and a
-    Hugging Face Llama at 16.8 M 4% slower: so float32 calls below 8.4 M elements. PyTorch
-    < 2.9 has no fused kernel: "auto" then never picks it."""
+    inside whole models: the trainer's at batch 8 x 512 (3-4 M elements a norm) stepped 1-2%
+    faster on ``F.rms_norm``'s path, at 32 x 512 (13-17 M) 11% slower than on the kernels,
+    and a Hugging Face Llama at 16.8 M 4% slower: so float32 calls below 8.4 M elements.
+    PyTorch < 2.9 has no fused kernel: "auto" then never picks it."""
 
     compiled_dispatch: str = "auto"
     """Which path a call traced by ``torch.compile`` takes: "kernels" (the registered
