@@ -9,6 +9,7 @@
 set -euo pipefail
 out=${1:?usage: multi_gpu.sh OUT_DIR [WORLD_SIZES] [PRESETS] [BATCHES]}
 here=$(dirname "$0")
+py=${PYTHON:-python3}  # PYTHON="uv run python" in the workspace
 mkdir -p "$out"
 presets=${3:-small medium xl} batches=${4:-8 32}
 [ "${QUICK:-0}" = 1 ] && presets=micro batches=2
@@ -19,10 +20,10 @@ for ws in ${2:-1 2}; do
       C="$C --preset $preset --batch-size $batch --rounds 3"
       [ "${QUICK:-0}" = 1 ] && C="--quick --world-size $ws"
       tag="$preset-${ws}x$batch"
-      python3 "$here/ddp.py" $C --out "$out/ddp-$tag"
-      python3 "$here/zero.py" $C --out "$out/zero-$tag"
-      python3 "$here/stack.py" $C --out "$out/stack-$tag"
-      python3 "$here/stack.py" $C --compile --out "$out/stack-compiled-$tag"
+      $py "$here/ddp.py" $C --out "$out/ddp-$tag"
+      $py "$here/zero.py" $C --out "$out/zero-$tag"
+      $py "$here/stack.py" $C --out "$out/stack-$tag"
+      $py "$here/stack.py" $C --compile --out "$out/stack-compiled-$tag"
     done
   done
 done
