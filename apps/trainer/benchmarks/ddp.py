@@ -59,8 +59,14 @@ def overlap_of_events(events: list[dict[str, Any]]) -> dict[str, float] | None:
                 merged[key][-1] = (merged[key][-1][0], max(merged[key][-1][1], end))
             else:
                 merged[key].append((start, end))
-    hidden = sum(max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
-                 for a in merged[True] for b in merged[False])
+    hidden, i, j = 0.0, 0, 0  # one walk over the two sorted, disjoint lists
+    a, b = merged[True], merged[False]
+    while i < len(a) and j < len(b):
+        hidden += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     nccl = sum(e - s for s, e in merged[True])
     return {"nccl_ms": nccl / 1e3, "compute_ms": sum(e - s for s, e in merged[False]) / 1e3,
             "hidden_ms": hidden / 1e3, "hidden_share": hidden / nccl if nccl > 0 else 0.0}

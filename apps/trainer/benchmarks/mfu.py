@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import sys
 import time
 
@@ -208,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         except torch.OutOfMemoryError:
             out.add({"config": cfg["config"], "stack": args.stack}, {"error": "out of memory"})
         finally:
-            gc.collect()
             harness.free_memory(device)
             torch._dynamo.reset()
         print({k: v for k, v in out.rows[-1].items() if k in COLUMNS or k == "error"},

@@ -82,9 +82,15 @@ def main() -> int:
         return 1
     want = reference()
     init = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
-    queue = mp.get_context("spawn").SimpleQueue()
+    queue = mp.get_context("spawn").Queue()
     ranks = mp.spawn(rank_main, args=(init, queue), nprocs=WORLD, join=False)
-    results = dict(queue.get() for _ in range(WORLD))  # before joining: puts block till read
+    # Read before joining (a put blocks until read), with a deadline: a rank that raised
+    # before its put is reported by join(), not waited for.
+    try:
+        results = dict(queue.get(timeout=600) for _ in range(WORLD))
+    except Exception:  # queue.Empty: some rank never answered
+        ranks.join(timeout=5)
+        raise
     while not ranks.join():
         pass
     ok = True

@@ -24,14 +24,13 @@ of the slowest rank), and for the sharded variants the part spent in the local s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from lab2bench.ranks import spawn_ranks
 
 VARIANTS = ("plain", "sharded", "sharded-loop", "zero")
 
@@ -82,11 +81,9 @@ def _local_step_timer(opt: torch.optim.Optimizer, sink: list[float]) -> None:
     local.step = timed
 
 
-def bench_rank(rank: int, world_size: int, spec: argparse.Namespace, init: str, results) -> None:
-    """One rank (``torch.multiprocessing.spawn``'s target): the timings of every variant,
-    put on ``results`` as ``(rank, {variant: {"wall"|"cpu"|"local": [seconds]}})``."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+def bench_rank(rank: int, world_size: int, spec: argparse.Namespace) -> dict:
+    """One rank (``lab2bench.ranks.spawn_ranks``' target, in its process group): the
+    timings of every variant, ``{variant: {"wall"|"cpu"|"local": [seconds]}}``."""
     names = [n for n in VARIANTS if n != "zero" or world_size > 1]
     out = {n: {"wall": [], "cpu": [], "local": []} for n in names}
     for rnd in range(spec.rounds):
@@ -106,8 +103,7 @@ def bench_rank(rank: int, world_size: int, spec: argparse.Namespace, init: str, 
                     out[name]["cpu"].append(c1 - c0)
             out[name]["local"] += local[spec.warmup:]
             del opt, model
-    dist.destroy_process_group()
-    results.put((rank, out))
+    return out
 
 
 def _median_us(per_rank: list[dict], name: str, key: str) -> float | None:
@@ -137,14 +133,9 @@ def main() -> None:
     print("| world size | variant | wall µs/step | CPU µs/step | local step µs |")
     print("|---:|---|---:|---:|---:|")
     for ws in (int(x) for x in args.world_sizes.split(",")):
-        results = mp.get_context("spawn").SimpleQueue()
-        with tempfile.TemporaryDirectory() as tmp:
-            init = "file://" + os.path.join(tmp, "rendezvous")
-            ranks = mp.spawn(bench_rank, args=(ws, args, init, results), nprocs=ws, join=False)
-            # Read before joining: a rank's put blocks until its result is read.
-            per_rank = [r for _, r in sorted(results.get() for _ in range(ws))]
-            while not ranks.join():
-                pass
+        # A deadline: a rank that raises, dies or hangs ends the run with its name.
+        per_rank = spawn_ranks(bench_rank, ws, args, threads=1, timeout=1200,
+                               preload=["zero1", "torch.distributed.optim"])
         for name in per_rank[0]:
             us = (_median_us(per_rank, name, key) for key in ("wall", "cpu", "local"))
             print(f"| {ws} | {name} | " + " | ".join("-" if v is None else f"{v:,.0f}" for v in us)

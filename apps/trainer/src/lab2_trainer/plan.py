@@ -619,10 +619,6 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
                      bucket_mb=args.bucket_mb, hardware=hardware).validate()
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.2f} GiB"
-
-
 def compare_rows(p: PlanInput) -> list[dict[str, Any]]:
     """One plan per sharding kind and checkpointing kind, the rest of ``p`` kept."""
     rows = []

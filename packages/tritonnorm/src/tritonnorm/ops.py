@@ -361,12 +361,6 @@ def coop_layout(n_rows: int, n_cols: int, block: int, max_programs: int
     return (n_slices, n_groups) if n_groups >= 1 else None
 
 
-def clear_plan_caches() -> None:
-    """Forget cached configurations (after a tuning table above was changed)."""
-    fwd_config.cache_clear()
-    bwd_config.cache_clear()
-
-
 # ============================================================================
 # Launching: the direct launcher and recorded launch plans
 # ============================================================================
@@ -1481,11 +1475,13 @@ def _via_op() -> bool:
 def _to_inductor(fused_add: bool) -> bool:
     """Whether a call traced by torch.compile takes the plain formula
     (``OPTIONS.compiled_dispatch``)."""
+    if not _is_compiling():  # OPTIONS.eager_op: the operators, eagerly
+        return False
     choice = OPTIONS.compiled_dispatch
     if choice not in ("auto", "kernels", "inductor"):
         raise ValueError(f"OPTIONS.compiled_dispatch must be 'auto', 'kernels' or "
                          f"'inductor', got {choice!r}")
-    return _is_compiling() and (choice == "inductor" or (choice == "auto" and not fused_add))
+    return choice == "inductor" or (choice == "auto" and not fused_add)
 
 
 def _prefer_torch(x: torch.Tensor) -> bool:
@@ -1520,12 +1516,11 @@ def torch_rms_norm(x: torch.Tensor, weight, eps: float, out_dtype, llama: bool,
 
 
 def _entry_mode(casting_mode: str, offset: float, weight, out_dtype) -> tuple[bool, float]:
-    """(llama, offset) of a public call, its mode and out_dtype checked (the default mode
-    without a look at the rules: it is every call of a model that names none)."""
+    """(llama, offset) of a public call in a mode other than the default, its mode and
+    out_dtype checked. The entry points test for the default inline: it is every call of
+    a model that names no mode, on the host-time hot path."""
     if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
         check_out_dtype(out_dtype)
-    if casting_mode == "none" and offset == 0.0 and type(offset) is float:
-        return False, offset
     return check_mode(casting_mode, offset, weight)
 
 
@@ -1576,7 +1571,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
             unknown casting mode, an offset other than 0.0 and 1.0 (or one without a weight).
         TypeError: a non-floating dtype (out_dtype included), or an eps that is no number.
     """
-    llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
+    if (casting_mode == "none" and offset == 0.0 and type(offset) is float
+            and (out_dtype is None or out_dtype in KERNEL_DTYPES)):
+        llama = False
+    else:
+        llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
     if not _use_kernels(x, weight) or not (out_dtype is None or out_dtype in KERNEL_DTYPES):
         return RMSNormTorchFunction.apply(x, weight, eps, out_dtype, casting_mode, offset)
     if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
@@ -1628,7 +1627,11 @@ def fused_add_rms_norm(
         ValueError: residual's shape or device differs from x's, or as ``rms_norm``.
         TypeError: a non-floating dtype (residual's and out_dtype included).
     """
-    llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
+    if (casting_mode == "none" and offset == 0.0 and type(offset) is float
+            and (out_dtype is None or out_dtype in KERNEL_DTYPES)):
+        llama = False
+    else:
+        llama, offset = _entry_mode(casting_mode, offset, weight, out_dtype)
     if not (_use_kernels(x, weight) and isinstance(residual, torch.Tensor)
             and residual.dtype in KERNEL_DTYPES
             and (out_dtype is None or out_dtype in KERNEL_DTYPES)):
