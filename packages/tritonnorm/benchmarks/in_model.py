@@ -9,7 +9,9 @@ thread), order rotated each round; the ratio is the median over rounds of (the u
 model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
 tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
 (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
-(``OPTIONS.compiled_dispatch``) compiled. ``--liger`` adds, to the HF model's eager cells,
+(``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels forced with
+each piece of the launch machinery switched off in turn. ``--liger`` adds, to the HF
+model's eager cells,
 Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note where ``liger_kernel``
 does not import). The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
 variant goes to ``--out``.
@@ -96,6 +98,15 @@ EAGER = {"tritonnorm": {}, "tritonnorm-kernels": {"eager_dispatch": "kernels"},
          "tritonnorm-torch": {"eager_dispatch": "torch"}}
 COMPILED = {"tritonnorm": {}, "tritonnorm-kernels": {"compiled_dispatch": "kernels"},
             "tritonnorm-inductor": {"compiled_dispatch": "inductor"}}
+#: ``--machinery``: the kernels forced, each piece of the eager launch machinery taken
+#: away in turn (the recorded launch plans; the direct launcher, and the plans with it;
+#: the weight-gradient sum folded into the backward kernel), against "tritonnorm-kernels".
+MACHINERY = {
+    "kernels-no-plans": {"eager_dispatch": "kernels", "launch_plans": False},
+    "kernels-jit": {"eager_dispatch": "kernels", "direct_launch": False},
+    "kernels-no-fold": {"eager_dispatch": "kernels", "fold_dw_sum": False},
+}
+EAGER |= MACHINERY
 
 
 def main() -> None:
@@ -109,8 +120,13 @@ def main() -> None:
     p.add_argument("--all-paths", action="store_true",
                    help="also time tritonnorm with each path forced (eager: kernels, "
                         "F.rms_norm; compiled: kernels, Inductor's own)")
+    p.add_argument("--machinery", action="store_true",
+                   help="eager: also the kernels forced with each piece of the launch "
+                        "machinery off (" + ", ".join(MACHINERY) + ")")
     p.add_argument("--liger", action="store_true",
                    help="--model hf, eager: also Liger-Kernel's RMSNorm patch alone")
+    p.add_argument("--variants", help="comma-separated variants to time beside the "
+                   "unswapped model, instead of the flags' choice (fewer models in memory)")
     p.add_argument("--out", default="in_model.jsonl")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -120,8 +136,15 @@ def main() -> None:
         for batch in batches:
             for mode in args.modes.split(","):
                 table = EAGER if mode == "eager" else COMPILED
-                names = ["torch", "tritonnorm"] + (list(table)[1:] if args.all_paths else [])
+                names = ["torch", "tritonnorm"]
+                names += [n for n in list(table)[1:3] if args.all_paths]
+                names += [n for n in MACHINERY if args.machinery and mode == "eager"]
                 names += ["liger"] * (args.liger and args.model == "hf" and mode == "eager")
+                if args.variants:
+                    names = ["torch"] + [n for n in args.variants.split(",")
+                                         if n in table or n == "liger"]
+                if "tritonnorm-kernels" not in names and any(n in MACHINERY for n in names):
+                    names.append("tritonnorm-kernels")  # what the machinery is taken from
                 steps = {}
                 for name in names:
                     norm = name if name in ("torch", "liger") else "tritonnorm"

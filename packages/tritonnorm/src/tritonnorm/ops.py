@@ -100,6 +100,11 @@ class KernelOptions:
     Needs Triton >= 3.4, whose launcher takes every argument in signature order; never
     under the interpreter. Turned off for good if the launcher is not the one we know."""
 
+    launch_plans: bool = True
+    """Record each eager launch of a contiguous shape (``LaunchCache``) and replay the
+    next call of that shape from the record: its addresses, one alignment test and the
+    direct launcher, no argument walk. Needs ``direct_launch``."""
+
     cooperative_launch: bool = _has_cooperative_launch()
     """Launch kernels whose programs wait for each other as CUDA cooperative launches, so
     the driver guarantees every program is resident at once or refuses the launch."""
@@ -505,7 +510,7 @@ class LaunchCache:
     def get(self, key):
         """The recorded plan for ``key``, or None where there is none or it cannot be
         used now (direct launches off, a launch hook registered)."""
-        if not OPTIONS.direct_launch or not _hooks_idle():
+        if not (OPTIONS.launch_plans and OPTIONS.direct_launch) or not _hooks_idle():
             return None
         return self._plans.get(key)
 
