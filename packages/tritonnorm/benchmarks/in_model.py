@@ -9,11 +9,12 @@ thread), order rotated each round; the ratio is the median over rounds of (the u
 model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
 tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
 (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
-(``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels forced with
-each piece of the launch machinery switched off in turn. ``--liger`` adds, to the HF
-model's eager cells,
+(``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels
+forced with each piece of the launch machinery switched off in turn (``kernels-no-plans``,
+``kernels-jit``, ``kernels-no-fold``). ``--liger`` adds, to the HF model's eager cells,
 Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note where ``liger_kernel``
-does not import). The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
+does not import). ``--variants`` names the variants instead (fewer models in memory at
+once). The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
 variant goes to ``--out``.
 
     python packages/tritonnorm/benchmarks/in_model.py --model trainer --presets small,medium \\

@@ -121,11 +121,13 @@ def test_inductor_sees_the_kernels():
 
 
 @pytest.mark.skipif(not CUDA, reason="Inductor launches the Triton operators on CUDA only")
-@pytest.mark.parametrize("choice, kernels", [("auto", False), ("inductor", False),
-                                             ("kernels", True)])
-def test_compiled_dispatch(choice, kernels):
+@pytest.mark.parametrize("choice, kernels, small", [
+    ("auto", False, False), ("auto", False, True), ("inductor", False, False),
+    ("kernels", True, True)])
+def test_compiled_dispatch(choice, kernels, small):
     # "auto": a plain norm is left to Inductor (which fuses it with its neighbours), the
-    # fused add runs our kernels; either way the result is the eager one.
+    # fused add runs our kernels unless x is below OPTIONS.torch_below (a host-bound
+    # call); either way the result is the eager one.
     from torch._inductor.utils import run_and_get_code
 
     from tritonnorm import ops as compiler_ops
@@ -133,13 +135,15 @@ def test_compiled_dispatch(choice, kernels):
     torch._dynamo.reset()
     x, r = torch.randn(2, 32, 64, device="cuda"), torch.randn(2, 32, 64, device="cuda")
     w = torch.rand(64, device="cuda") + 0.5
-    with compiler_ops.OPTIONS.override(compiled_dispatch=choice):
+    below = {"torch.float32": x.numel() + 1 if small else 0}
+    with compiler_ops.OPTIONS.override(compiled_dispatch=choice, torch_below=below):
         plain = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
         out, code = run_and_get_code(plain, x, w)
         added = torch.compile(lambda a, b, c: tritonnorm.fused_add_rms_norm(a, b, c)[0],
                               fullgraph=True)
         y, add_code = run_and_get_code(added, x, r, w)
     assert ("fwd_rows" in "\n".join(code)) is kernels
-    assert ("fwd_rows" in "\n".join(add_code)) is (choice != "inductor")
+    assert ("fwd_rows" in "\n".join(add_code)) is (choice == "kernels"
+                                                   or (choice == "auto" and not small))
     assert rel_err(out, tritonnorm.rms_norm(x, w) * 2) < 1e-5
     assert rel_err(y, tritonnorm.fused_add_rms_norm(x, r, w)[0]) < 1e-5

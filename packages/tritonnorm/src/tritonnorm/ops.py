@@ -1477,7 +1477,14 @@ def _via_op() -> bool:
     return HAS_LIBRARY_OPS and (_is_compiling() or OPTIONS.eager_op)
 
 
-def _to_inductor(fused_add: bool) -> bool:
+def _small(x: torch.Tensor) -> bool:
+    """Whether x has fewer elements than ``OPTIONS.torch_below`` names for its dtype: a
+    call too small for the kernels' device-time advantage to repay their host cost."""
+    below = OPTIONS.torch_below.get(str(x.dtype), 0)
+    return below > 0 and x.numel() < below  # no size guard under torch.compile at 0
+
+
+def _to_inductor(x: torch.Tensor, fused_add: bool) -> bool:
     """Whether a call traced by torch.compile takes the plain formula
     (``OPTIONS.compiled_dispatch``)."""
     if not _is_compiling():  # OPTIONS.eager_op: the operators, eagerly
@@ -1486,7 +1493,7 @@ def _to_inductor(fused_add: bool) -> bool:
     if choice not in ("auto", "kernels", "inductor"):
         raise ValueError(f"OPTIONS.compiled_dispatch must be 'auto', 'kernels' or "
                          f"'inductor', got {choice!r}")
-    return choice == "inductor" or (choice == "auto" and not fused_add)
+    return choice == "inductor" or (choice == "auto" and (not fused_add or _small(x)))
 
 
 def _prefer_torch(x: torch.Tensor) -> bool:
@@ -1499,7 +1506,7 @@ def _prefer_torch(x: torch.Tensor) -> bool:
     if choice != "auto":
         raise ValueError(f"OPTIONS.eager_dispatch must be 'auto', 'kernels' or 'torch', "
                          f"got {choice!r}")
-    return HAS_FUSED_TORCH and x.numel() < OPTIONS.torch_below.get(str(x.dtype), 0)
+    return HAS_FUSED_TORCH and _small(x)
 
 
 def torch_rms_norm(x: torch.Tensor, weight, eps: float, out_dtype, llama: bool,
@@ -1586,7 +1593,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
     if out_dtype is None and llama and weight is not None and weight.dtype != x.dtype:
         out_dtype = default_out_dtype(x, weight, llama)
     if _via_op():
-        if _to_inductor(fused_add=False):
+        if _to_inductor(x, fused_add=False):
             return rms_norm_reference(x, weight, eps, casting_mode=casting_mode,
                                       offset=offset, out_dtype=out_dtype)
         check_rms_norm_args(x, weight, kernel=True)
@@ -1651,7 +1658,7 @@ def fused_add_rms_norm(
     if _via_op():
         check_rms_norm_args(x, weight, kernel=True)
         check_residual(x, residual, kernel=True)
-        if _to_inductor(fused_add=True):
+        if _to_inductor(x, fused_add=True):
             s = (x + residual).to(x.dtype)
             return rms_norm_reference(s, weight, eps, casting_mode=casting_mode,
                                       offset=offset, out_dtype=out_dtype), s
