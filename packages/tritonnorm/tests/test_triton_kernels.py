@@ -133,6 +133,24 @@ def test_cooperative_kernels_one_slice(kernel_device, dtype, rows):
     _check_kernels(x, w, dy, {"looped": True, "coop": True, "coop_block": 128})
 
 
+@pytest.mark.parametrize("many_slices", [False, True], ids=["one_slice", "many_slices"])
+def test_cooperative_backward_without_weight_gradient(kernel_device, many_slices):
+    # The long-row backward accumulates the weight-gradient partials even where none is
+    # wanted (no weight, a frozen one), because it runs faster so: dx must not change.
+    if many_slices and kernel_device.type != "cuda":
+        pytest.skip("several programs wait for each other: needs a GPU")
+    k = _kernels()
+    x, w, dy = random_inputs((40, 1000), torch.bfloat16, torch.float32, seed=4,
+                             device=kernel_device)
+    cfg = {"looped": True, "coop": True, "coop_block": 256 if many_slices else 1024}
+    for weight in (w, None):
+        rstd = k.rms_norm_fwd(x, weight, 1e-5, config=cfg)[1]
+        dx_all, dw = k.rms_norm_bwd(dy, x, weight, rstd, config=cfg)
+        dx, no_dw = k.rms_norm_bwd(dy, x, weight, rstd, needs_dw=False, config=cfg)
+        assert no_dw is None and (dw is None) == (weight is None)
+        assert torch.equal(dx, dx_all)
+
+
 @given(rows=st.integers(1, 10_000), cols=st.integers(1, 1 << 22),
        block=st.sampled_from([16, 1024, 4096, 8192, 16384]), programs=st.integers(1, 264))
 def test_cooperative_grid_fits_and_covers_every_column(rows, cols, block, programs):
