@@ -14,7 +14,8 @@ forced with each piece of the launch machinery switched off in turn (``kernels-n
 ``kernels-jit``, ``kernels-no-fold``). ``--liger`` adds, to the HF model's eager cells,
 Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note where ``liger_kernel``
 does not import). ``--variants`` names the variants instead (fewer models in memory at
-once). The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
+once). ``--control`` adds a second unswapped model, ``torch-again``, whose ratio shows the
+measurement's own spread. The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
 variant goes to ``--out``.
 
     python packages/tritonnorm/benchmarks/in_model.py --model trainer --presets small,medium \\
@@ -126,6 +127,9 @@ def main() -> None:
                         "machinery off (" + ", ".join(MACHINERY) + ")")
     p.add_argument("--liger", action="store_true",
                    help="--model hf, eager: also Liger-Kernel's RMSNorm patch alone")
+    p.add_argument("--control", action="store_true",
+                   help="also a second unswapped model (torch-again): its ratio is the "
+                        "measurement's own spread (an A/A comparison)")
     p.add_argument("--variants", help="comma-separated variants to time beside the "
                    "unswapped model, instead of the flags' choice (fewer models in memory)")
     p.add_argument("--out", default="in_model.jsonl")
@@ -146,9 +150,11 @@ def main() -> None:
                                          if n in table or n == "liger"]
                 if "tritonnorm-kernels" not in names and any(n in MACHINERY for n in names):
                     names.append("tritonnorm-kernels")  # what the machinery is taken from
+                names += ["torch-again"] * args.control
                 steps = {}
                 for name in names:
-                    norm = name if name in ("torch", "liger") else "tritonnorm"
+                    norm = ("torch" if name == "torch-again" else name
+                            if name in ("torch", "liger") else "tritonnorm")
                     try:
                         model, data = (trainer_model(preset, norm, batch)
                                        if args.model == "trainer" else hf_model(norm, batch))

@@ -281,9 +281,12 @@ def paired_windows(fns: dict[str, Callable[[], Any]], *, rounds: int, window: in
 
     On a host whose speed drifts by tens of percent within seconds, long windows per
     variant cannot resolve a few percent. Here each round times a window of ``window``
-    back-to-back calls of every variant (one untimed call before each window), in an order
-    rotated by one each round, and compares each variant with the first one *within the
-    round*: the median of those per-round ratios cancels the drift the window means do not.
+    back-to-back calls of every variant (one untimed call before each window) and compares
+    each variant with the first one *within the round*: the median of those per-round
+    ratios cancels the drift the window means do not. The order is balanced: rounds come
+    in pairs, the second the first reversed, and each pair rotates the order by one, so
+    every variant runs as often before the baseline as after it, at the same distance
+    (a drift within a round then favours neither).
 
     Args:
         fns: the variants by name, each one call (a training step, say); the first is the
@@ -317,8 +320,9 @@ def paired_windows(fns: dict[str, Callable[[], Any]], *, rounds: int, window: in
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for rnd in range(rounds):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift = (rnd // 2) % len(names)
+        order = names[shift:] + names[:shift]
+        for name in (order[::-1] if rnd % 2 else order):
             times[name].append(timed(fns[name], window))
     base = times[names[0]]
     out = {}
