@@ -1,8 +1,8 @@
 """Training-step time of several set-ups of one model on one device, in short paired windows.
 
 Every variant lives in one process for the whole run; ``lab2bench.timing.paired_windows``
-times a window of a few back-to-back steps of each per round (order rotated) and compares
-each with the first one within the round, which cancels the drift of a busy host that the
+times a window of a few back-to-back steps of each per round (in a balanced order) and
+compares each with the first one within the round, which cancels the drift of a busy host that the
 multi-rank scripts' 20-step windows cannot resolve.
 
 A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``: NORM tritonnorm or torch

@@ -5,8 +5,8 @@ tritonnorm's fused add + norm) and a Hugging Face Llama of about 1B parameters b
 its config (``--model hf``: ``LlamaRMSNorm`` against ``replace_rms_norms``). Each cell
 (preset, batch, mode) builds every variant in one process and times them in short windows
 of back-to-back training steps (bf16 autocast, fused AdamW, backward on the calling
-thread), order rotated each round; the ratio is the median over rounds of (the unswapped
-model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
+thread), in a balanced order (see ``paired_windows``); the ratio is the median over
+rounds of (the unswapped model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
 tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
 (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
 (``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels
