@@ -6,8 +6,8 @@ its config (``--model hf``: ``LlamaRMSNorm`` against ``replace_rms_norms``). Eac
 (preset, batch, mode) builds every variant in one process and times them in short windows
 of back-to-back training steps (bf16 autocast, fused AdamW, backward on the calling
 thread), in a balanced order (see ``paired_windows``); the ratio is the median over
-rounds of (the unswapped model's window / this variant's window), so > 1 means faster. ``--all-paths`` adds
-tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
+rounds of (the unswapped model's window / this variant's window), so > 1 means faster.
+``--all-paths`` adds tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
 (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
 (``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels
 forced with each piece of the launch machinery switched off in turn (``kernels-no-plans``,
