@@ -5,18 +5,18 @@ tritonnorm's fused add + norm) and a Hugging Face Llama of about 1B parameters b
 its config (``--model hf``: ``LlamaRMSNorm`` against ``replace_rms_norms``). Each cell
 (preset, batch, mode) builds every variant in one process and times them in short windows
 of back-to-back training steps (bf16 autocast, fused AdamW, backward on the calling
-thread), in a balanced order (see ``paired_windows``); the ratio is the median over
-rounds of (the unswapped model's window / this variant's window), so > 1 means faster.
-``--all-paths`` adds tritonnorm with each path forced: ``tritonnorm-kernels`` and ``tritonnorm-torch``
-(``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and ``tritonnorm-inductor``
-(``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds, eager, the kernels
-forced with each piece of the launch machinery switched off in turn (``kernels-no-plans``,
-``kernels-jit``, ``kernels-no-fold``). ``--liger`` adds, to the HF model's eager cells,
-Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note where ``liger_kernel``
-does not import). ``--variants`` names the variants instead (fewer models in memory at
-once). ``--control`` adds a second unswapped model, ``torch-again``, whose ratio shows the
-measurement's own spread. The windows are ``lab2bench.timing.paired_windows``'s. One JSON line per
-variant goes to ``--out``.
+thread), in a balanced order (see ``paired_windows``); the ratio is the median over rounds
+of (the unswapped model's window / this variant's window), so > 1 means faster.
+``--all-paths`` adds tritonnorm with each path forced: ``tritonnorm-kernels`` and
+``tritonnorm-torch`` (``OPTIONS.eager_dispatch``) eager, ``tritonnorm-kernels`` and
+``tritonnorm-inductor`` (``OPTIONS.compiled_dispatch``) compiled. ``--machinery`` adds,
+eager, the kernels forced with each piece of the launch machinery switched off in turn
+(``kernels-no-plans``, ``kernels-jit``, ``kernels-no-fold``). ``--liger`` adds, to the HF
+model's eager cells, Liger-Kernel's RMSNorm patch alone (``liger``; left out with a note
+where ``liger_kernel`` does not import). ``--variants`` names the variants instead (fewer
+models in memory at once). ``--control`` adds a second unswapped model, ``torch-again``,
+whose ratio shows the measurement's own spread. The windows are
+``lab2bench.timing.paired_windows``'s. One JSON line per variant goes to ``--out``.
 
     python packages/tritonnorm/benchmarks/in_model.py --model trainer --presets small,medium \\
         --batches 8,32 --modes eager,default,reduce-overhead --out trainer.jsonl
