@@ -19,6 +19,7 @@ from typing import Any
 
 from lab2_trainer import __version__
 from lab2_trainer.config import (
+    EXIT_BAD_INPUT,
     PRESETS,
     ModelConfig,
     TrainSettings,
@@ -29,7 +30,7 @@ from lab2_trainer.config import (
     model_config,
 )
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED = 0, 1
 SETTINGS_NAME = "settings.toml"
 GROUPS = ("model", "data", "optimisation", "parallelism", "outputs")
 

@@ -43,6 +43,10 @@ class UsageError(Exception):
     """Bad input (options, data, checkpoint): reported as one line on stderr, exit code 2."""
 
 
+#: The exit code of every command line of the trainer on bad input (a ``UsageError``).
+EXIT_BAD_INPUT = 2
+
+
 # ------------------------------------------ settings machinery and model configuration
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
 FFN_KINDS = ("swiglu", "gelu")

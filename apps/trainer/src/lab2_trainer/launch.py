@@ -58,14 +58,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.config import UsageError
+from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
 from lab2_trainer.run_folder import atomic_write_text, process_start
 
+
 # ------------------------------------------------------------ process setup and launch
-# Exit code of a rank that stopped on bad input (it already printed one line).
-EXIT_BAD_INPUT = 2
-
-
 @dataclass
 class DistContext:
     """Where this process stands among the ranks.

@@ -67,6 +67,7 @@ from typing import Any
 from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
     DDP_KINDS,
+    EXIT_BAD_INPUT,
     FFN_KINDS,
     NORM_KINDS,
     PRECISIONS,
@@ -521,7 +522,6 @@ def plan(p: PlanInput) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------- lab2-train plan
-EXIT_BAD_INPUT = 2
 #: GPU counts of ``--plot``, and the GPUs a node beyond the first.
 SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS_PER_NODE = 8
