@@ -2,8 +2,8 @@
 
 Every variant lives in one process for the whole run; ``lab2bench.timing.paired_windows``
 times a window of a few back-to-back steps of each per round (in a balanced order) and
-compares each with the first one within the round, which cancels the drift of a busy host that the
-multi-rank scripts' 20-step windows cannot resolve.
+compares each with the first one within the round, which cancels the drift of a busy host
+that the multi-rank scripts' 20-step windows cannot resolve.
 
 A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``: NORM tritonnorm or torch
 (``nn.RMSNorm``); DDP the trainer's GradSync kind none, bucketed or torch (one rank: no

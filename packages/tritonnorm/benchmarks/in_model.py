@@ -108,7 +108,6 @@ MACHINERY = {
     "kernels-jit": {"eager_dispatch": "kernels", "direct_launch": False},
     "kernels-no-fold": {"eager_dispatch": "kernels", "fold_dw_sum": False},
 }
-EAGER |= MACHINERY
 
 
 def main() -> None:
@@ -140,9 +139,10 @@ def main() -> None:
     for preset in presets:
         for batch in batches:
             for mode in args.modes.split(","):
-                table = EAGER if mode == "eager" else COMPILED
+                paths = EAGER if mode == "eager" else COMPILED
+                table = paths | MACHINERY if mode == "eager" else paths
                 names = ["torch", "tritonnorm"]
-                names += [n for n in list(table)[1:3] if args.all_paths]
+                names += [n for n in list(paths)[1:] if args.all_paths]
                 names += [n for n in MACHINERY if args.machinery and mode == "eager"]
                 names += ["liger"] * (args.liger and args.model == "hf" and mode == "eager")
                 if args.variants:
