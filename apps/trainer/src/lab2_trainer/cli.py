@@ -321,11 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
-    from lab2_trainer import launch
+    from lab2_trainer import launch, supervise
     from lab2_trainer.train import train
 
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
-    previous = launch.install_termination_handler()
+    previous = supervise.install_termination_handler()
     claim = None
     try:
         try:
@@ -351,14 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
         return _run_single(settings, device_type, timeout_s)
     except KeyboardInterrupt as exc:
-        code = launch.exit_code_for(exc)
+        code = supervise.exit_code_for(exc)
         print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; the last "
               "checkpoint is intact", file=sys.stderr, flush=True)
         return code
     finally:
         if claim is not None:
             claim.release()
-        launch.restore_termination_handler(previous)
+        supervise.restore_termination_handler(previous)
 
 
 def _claim_out(settings):
