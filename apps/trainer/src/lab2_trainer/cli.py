@@ -318,6 +318,9 @@ def _error(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train``; returns the exit code."""
+    from lab2_trainer.wall_clock import mark_launch
+
+    mark_launch()  # the run's start-up is counted from here
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         from lab2_trainer.plan_cli import main as plan_main
