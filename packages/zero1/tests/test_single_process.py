@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zero1 import ShardedOptimizer, optimizer_state_bytes, optimizer_state_numel
-from zero1.sharded_optimizer import (
+from zero1.foreach import (
     FOREACH_MAX_MEAN_NUMEL,
     FOREACH_MAX_TOTAL_NUMEL,
     foreach_pays,
