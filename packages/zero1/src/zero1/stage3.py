@@ -315,24 +315,29 @@ class ShardedModel:
 
     # -------------------------------------------------------------- forward
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Any:
-        if _in_backward():  # a recomputing forward (activation checkpointing)
-            unit.wait()
-            return None
+        recomputing = _in_backward()  # activation checkpointing's second forward
         unit.wait()
-        if unit not in self.order:
-            self.order.append(unit)
-        else:
-            position = self.order.index(unit)
-            if position + 1 < len(self.order):
-                self.order[position + 1].gather(async_op=True)
-        if not torch.is_grad_enabled():
+        if not recomputing:
+            if unit not in self.order:
+                self.order.append(unit)
+            else:
+                position = self.order.index(unit)
+                if position + 1 < len(self.order):
+                    self.order[position + 1].gather(async_op=True)
+        swap: dict[int, torch.Tensor] = {}
+        if unit.param_dtype != unit.dtype:  # floating inputs in param_dtype, as FSDP2
+            for t in _tensors((args, kwargs)):
+                if t.is_floating_point() and t.dtype != unit.param_dtype:
+                    swap[id(t)] = t.to(unit.param_dtype)
+        flat = [swap.get(id(t), t) for t in _tensors((args, kwargs))]
+        flat = [t for t in flat if t.requires_grad]
+        if flat and torch.is_grad_enabled() and not recomputing:
+            unit.forward_calls += 1
+            cast = {id(v): k for k, v in swap.items()}
+            for t, w in zip(flat, _PostBackward.apply(unit, *flat)):
+                swap[cast.get(id(t), id(t))] = w
+        if not swap:
             return None
-        flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-        if not flat:
-            return None
-        unit.forward_calls += 1
-        wrapped = iter(_PostBackward.apply(unit, *flat))
-        swap = {id(t): next(wrapped) for t in flat}
 
         def replace(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
