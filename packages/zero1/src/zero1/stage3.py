@@ -40,7 +40,6 @@ Every rank must run the same units in the same order (the collectives pair up by
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -48,6 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .flat import FlatLayout, ShardCollectives
 
 FREE, GATHERING, FULL = "free", "gathering", "full"
 
@@ -119,13 +120,10 @@ class Unit:
         self.reduce_dtype = (owner.reduce_dtype if floating and owner.reduce_dtype
                              else self.param_dtype)
         n, rank = owner.world_size, owner.rank
-        self.offsets, total = [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        self.padded = math.ceil(total / n) * n
-        self.shard_numel = self.padded // n
+        self.layout = FlatLayout.of([p.numel() for p in params], n)
+        self.offsets = list(self.layout.offsets)
+        self.numel, self.padded = self.layout.numel, self.layout.padded
+        self.shard_numel = self.layout.shard_numel
         device = params[0].device
         flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
         with torch.no_grad():
@@ -137,8 +135,7 @@ class Unit:
             self.shard = flat
             self.full = flat
         else:
-            c = self.shard_numel
-            self.shard = flat[rank * c:(rank + 1) * c].clone()
+            self.shard = flat[self.layout.shard(rank)].clone()
             del flat
             self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
         for p, off in zip(params, self.offsets):
@@ -219,13 +216,14 @@ class Unit:
         if owner.world_size == 1:
             owner._landed(self, flat, None, None)
             return
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=flat.device)
-        work = dist.reduce_scatter_tensor(out, flat, group=owner.group, async_op=True)
-        owner._landed(self, out, work, flat)
+        works, out = owner.collectives.reduce_scatter(flat, None, self.layout)
+        owner._landed(self, out, works, flat)
 
     def add_reduced(self, summed: torch.Tensor) -> None:
-        """Add a reduction's sum (of N ranks' gradients) into the averaged shard."""
-        n = self.owner.world_size
+        """Add a reduction's result (the sum of N ranks' gradients, or their average where
+        the backend averages) into the averaged shard."""
+        n = 1 if self.owner.collectives is None or self.owner.collectives.averages else (
+            self.owner.world_size)
         if self.grad_shard is None:
             self.grad_shard = summed.to(self.dtype) if summed.dtype != self.dtype else summed
             self.grad_shard.div_(n)
@@ -251,6 +249,10 @@ class ShardedModel:
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.group, self.rank, self.world_size = group, rank, world_size
+        self.collectives: ShardCollectives | None = None
+        if world_size > 1:
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            self.collectives = ShardCollectives(group, rank, ranks)
         self.sync = True
         self.order: list[Unit] = []  # units in the order they first ran forward
         self._pending: list[tuple[Unit, torch.Tensor, Any, torch.Tensor | None]] = []
@@ -408,8 +410,8 @@ class ShardedModel:
             self._complete_one()
 
     def _complete_one(self) -> None:
-        unit, out, work, _ = self._pending.pop(0)
-        if work is not None:
+        unit, out, works, _ = self._pending.pop(0)
+        for work in works or ():
             work.wait()
         unit.add_reduced(out)
 

@@ -57,27 +57,17 @@ def _owner(p: torch.Tensor) -> tuple[ShardedModel, Unit, int]:
     return info
 
 
-def piece_range(offset: int, numel: int, shard_numel: int, rank: int) -> tuple[int, int] | None:
-    """Which elements of a parameter (``numel`` of them, from ``offset`` in its unit's flat
-    buffer) fall in rank ``rank``'s shard of ``shard_numel`` elements: ``(start, stop)``
-    within the parameter, or None when none do."""
-    lo = max(offset, rank * shard_numel)
-    hi = min(offset + numel, (rank + 1) * shard_numel)
-    return (lo - offset, hi - offset) if lo < hi else None
-
-
 def _piece(p: torch.Tensor) -> Piece | None:
     """This rank's piece of ``p``: the 1-D view of its unit's shard it falls into."""
     sharded, unit, i = _owner(p)
     off, n = unit.offsets[i], p.numel()
     if unit.alias:
         return Piece(param=p, local=unit.shard[off:off + n], start=0)
-    found = piece_range(off, n, unit.shard_numel, sharded.rank)
-    if found is None:
-        return None
-    start, stop = found
-    base = off - sharded.rank * unit.shard_numel
-    return Piece(param=p, local=unit.shard[base + start:base + stop], start=start)
+    for member, lo, hi in unit.layout.pieces(sharded.rank):
+        if member == i:
+            base = unit.layout.shard(sharded.rank).start
+            return Piece(param=p, local=unit.shard[lo - base:hi - base], start=lo - off)
+    return None
 
 
 class Stage3Optimizer(Optimizer):
