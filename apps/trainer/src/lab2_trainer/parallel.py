@@ -1,12 +1,12 @@
 """The data-parallel and sharding choices of a run, applied by one function.
 
 :func:`parallelize` sets up a bare model for training in a fixed order (as torchtitan's
-``parallelize.py`` does): compilation first (each block of the bare model on its own, or the whole model), then
-data parallelism and sharding (a DDP wrapper, zero1's gradient hooks, or FSDP2's
-``fully_shard``), then the optimizer. It returns a :class:`Parallel`, which is what the
-training step needs: ``forward``, ``no_sync()``, ``finish()``, ``clip_grad_norm_`` and the
-optimizer, plus the full (unsharded) model and optimizer state for checkpoints, in the
-trainer's one format whatever the kind.
+``parallelize.py`` does): compilation first (each block of the bare model on its own, or
+the whole model), then data parallelism and sharding (a DDP wrapper, zero1's gradient
+hooks, or FSDP2's ``fully_shard``), then the optimizer. It returns a :class:`Parallel`,
+which is what the training step needs: ``forward``, ``no_sync()``, ``finish()``,
+``clip_grad_norm_`` and the optimizer, plus the full (unsharded) model and optimizer state
+for checkpoints, in the trainer's one format whatever the kind.
 
 :class:`GradSync` hides which DDP wrapper averages gradients (minddp's four, PyTorch's
 DistributedDataParallel, or none); :func:`build_optimizer` builds AdamW plain, sharded by

@@ -71,9 +71,9 @@ from lab2_trainer.report import (
     mfu,
     provenance,
     recompute_flops_per_token,
-    training_flops_per_token,
 )
 from lab2_trainer.run_folder import atomic_write_text
+from lab2_trainer.shapes import training_flops_per_token
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
