@@ -27,6 +27,7 @@ import ast
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,6 +277,20 @@ def default_layout(world_size: int, sharding: str | None, ddp: str | None
     return sharding, ddp
 
 
+def step_range(label: str, text: Any) -> tuple[int, int]:
+    """``"A:B"`` as the steps (A, B), with 1 <= A <= B; else ``ValueError`` naming
+    ``label``."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text, re.ASCII) \
+        if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{label} must be A:B, two step numbers, got {text!r}")
+    a, b = int(match[1]), int(match[2])
+    if not 1 <= a <= b:
+        raise ValueError(f"{label} must be A:B with 1 <= A <= B, got {text!r}")
+    _integer(label, b, 1)
+    return a, b
+
+
 def flag(name: str) -> str:
     """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
@@ -387,6 +402,11 @@ class TrainSettings:
     """Log line every N steps when the console is not a terminal."""
     sample_tokens: int = setting(300, group="outputs")
     """Length of the text sample generated at the end (0: none)."""
+    profile_steps: str | None = setting(None, group="outputs", metavar="A:B",
+                                        default_text="none")
+    """Trace training steps A to B (counted from 1, both included) with torch.profiler and
+    write the trace (Chrome trace JSON: chrome://tracing, Perfetto) into the run folder,
+    one file per rank."""
     quiet: bool = setting(False, group="outputs")
     """No progress bar nor per-step console output (files are still written)."""
     plot: bool = setting(True, group="outputs")
@@ -446,6 +466,11 @@ class TrainSettings:
         _integer(flag("eval_batches"), self.eval_batches, 1)
         _integer(flag("log_every"), self.log_every, 1)
         _integer(flag("sample_tokens"), self.sample_tokens, 0)
+        if self.profile_steps is not None:
+            first, last = step_range(flag("profile_steps"), self.profile_steps)
+            if isinstance(self.steps, int) and last > self.steps:
+                raise ValueError(f"{flag('profile_steps')} {self.profile_steps} ends after the "
+                                 f"run's last step ({flag('steps')} {self.steps})")
         _one_of(flag("device_type"), self.device_type, DEVICE_TYPES)
 
     def validate(self, world_size: int) -> TrainSettings:

@@ -50,7 +50,14 @@ from lab2_trainer.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from lab2_trainer.config import BACKWARD_THREADS, PRECISIONS, TrainSettings, UsageError
+from lab2_trainer.config import (
+    BACKWARD_THREADS,
+    PRECISIONS,
+    TrainSettings,
+    UsageError,
+    flag,
+    step_range,
+)
 from lab2_trainer.data import (
     BatchSampler,
     Prefetcher,
@@ -61,6 +68,7 @@ from lab2_trainer.data import (
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.report import (
     SAMPLE_NAME,
     RunReporter,
@@ -366,11 +374,19 @@ class Trainer:
         pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
         windows: list[tuple[int, float]] = []  # (steps, seconds) between fetches
         first_step_s: float | None = None  # this invocation's first step (compilation)
+        profiler = None
+        if s.profile_steps:
+            profiler = StepProfiler(*step_range(flag("profile_steps"), s.profile_steps), out,
+                                    ctx.rank, ctx.device)
         clock.switch("training")
         window_start = time.perf_counter()
         try:
             while self.step < end:
-                loss, grad_norm = self.train_step()
+                with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
+                    loss, grad_norm = self.train_step()
+                if profiler is not None and profiler.due(self.step):
+                    with clock.phase("other"):
+                        profiler.finish()
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
@@ -408,6 +424,8 @@ class Trainer:
                                         s.precision)
         finally:
             clock.switch("other")
+            if profiler is not None:  # the steps traced so far, when the run ends early
+                profiler.finish()
             if reporter is not None:
                 reporter.close()
         train_seconds = time.perf_counter() - t0
@@ -436,6 +454,8 @@ class Trainer:
             plot = reporter.plot(entropy) if s.plot else None
             if plot is not None:
                 outputs["loss curve"] = str(plot)
+            if profiler is not None and profiler.written is not None:
+                outputs["profile trace"] = str(profiler.written)
             if s.sample_tokens:
                 with clock.phase("sampling"):
                     text = self.sample(s.sample_tokens, sample_model)
