@@ -601,6 +601,13 @@ class ShardedOptimizer(Optimizer):
             start += len(group["params"])
         return out
 
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: the local
+        optimizer keys its state by ``piece.local``, the range of the flattened
+        ``piece.param`` that starts at ``piece.start`` (what a checkpoint that never
+        gathers writes and reads)."""
+        return self._numbered_pieces()
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard state onto rank ``to`` (collective; tensors on CPU).
 
