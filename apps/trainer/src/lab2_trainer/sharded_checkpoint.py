@@ -34,8 +34,10 @@ the saving ranks wrote. So a checkpoint loads at any world size and under any ki
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +58,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-# One process without torch.distributed (a one-rank run, export) is meant: DCP's warning
-# that it assumes so says nothing to the user.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
-                        "uninitialized")
 
 #: AdamW's per-parameter tensors of the parameter's size.
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -281,9 +278,10 @@ def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> Non
     import torch.distributed.checkpoint as dcp
 
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.load({p.key: p.data for p in parts}, storage_reader=reader,
-             planner=PartLoadPlanner(parts), process_group=process_group,
-             no_dist=not distributed)
+    with _alone_is_meant(distributed):
+        dcp.load({p.key: p.data for p in parts}, storage_reader=reader,
+                 planner=PartLoadPlanner(parts), process_group=process_group,
+                 no_dist=not distributed)
 
 
 def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> Any:
@@ -291,54 +289,19 @@ def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> An
     import torch.distributed.checkpoint as dcp
 
     distributed = dist.is_available() and dist.is_initialized()
-    return dcp.save({p.key: p.data for p in parts}, storage_writer=writer,
-                    planner=PartSavePlanner(parts), process_group=process_group,
-                    no_dist=not distributed)
+    with _alone_is_meant(distributed):
+        return dcp.save({p.key: p.data for p in parts}, storage_writer=writer,
+                        planner=PartSavePlanner(parts), process_group=process_group,
+                        no_dist=not distributed)
 
 
-# ------------------------------------------------------------------------- loading
-def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
-              reader: Any, saved_keys: set[str]) -> list[Part]:
-    """Load a checkpoint's model and AdamW state into this rank's parameters and optimizer
-    (every rank, a collective), whatever kind and world size wrote it. Returns the parts
-    read (for the caller's finiteness check).
-
-    Args:
-        saved_keys: the tensors the checkpoint holds (its metadata's keys): a parameter
-            without ``optim.<name>.exp_avg`` there was not stepped yet and gets no state.
-    """
-    parts = [Part(p.key, p.numel, p.start, p.data) for p in model_parts(model, sharding)]
-    holders = state_holders(model, optimizer, sharding)
-    fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
-    for h in holders:
-        if state_key(h.name, "exp_avg") not in saved_keys:
-            continue
-        state = {what: torch.zeros_like(h.tensor, memory_format=torch.contiguous_format)
-                 for what in MOMENTS}
-        state["step"] = torch.zeros(1, dtype=torch.float32)
-        fresh.append((h, state))
-        for what in MOMENTS:
-            parts.append(Part(state_key(h.name, what), h.numel, h.start, h.flat(state[what])))
-        parts.append(Part(state_key(h.name, "step"), 1, 0, state["step"]))
-    with torch.no_grad():
-        read_parts(parts, reader)
-    install_state(fresh, optimizer)
-    return parts
-
-
-def install_state(fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]],
-                  optimizer: torch.optim.Optimizer) -> None:
-    """Hand the loaded state to each local optimizer through its own ``load_state_dict``
-    (which puts ``step`` where that optimizer keeps it: the CPU, or the device when fused)."""
-    by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, Any]]] = {}
-    for h, state in fresh:
-        opt = h.optimizer
-        numbers = {id(p): i for i, p in enumerate(
-            p for g in opt.param_groups for p in g["params"])}
-        entry = {**{what: state[what] for what in MOMENTS}, "step": state["step"].reshape(())}
-        by_optimizer.setdefault(id(opt), (opt, {}))[1][numbers[id(h.tensor)]] = entry
-    for opt, state in by_optimizer.values():
-        groups = opt.state_dict()["param_groups"]
-        opt.load_state_dict({"state": state, "param_groups": groups})
-    if hasattr(optimizer, "local_optimizer"):  # zero1's ShardedOptimizer aliases its state
-        optimizer.state = optimizer.local_optimizer.state
+@contextlib.contextmanager
+def _alone_is_meant(distributed: bool) -> Iterator[None]:
+    """Without torch.distributed one process is meant (a one-rank run, an export): DCP's
+    warning that it assumes so is silenced."""
+    if distributed:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
