@@ -305,3 +305,52 @@ def _alone_is_meant(distributed: bool) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+
+# ------------------------------------------------------------------------- loading
+def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
+              reader: Any, saved_keys: set[str]) -> list[Part]:
+    """Load a checkpoint's model and AdamW state into this rank's parameters and optimizer
+    (every rank, a collective), whatever kind and world size wrote it. Returns the parts
+    read (for the caller's finiteness check).
+
+    Args:
+        saved_keys: the tensors the checkpoint holds (its metadata's keys): a parameter
+            without ``optim.<name>.exp_avg`` there was not stepped yet and gets no state.
+    """
+    parts = [Part(p.key, p.numel, p.start, p.data) for p in model_parts(model, sharding)]
+    holders = state_holders(model, optimizer, sharding)
+    fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
+    for h in holders:
+        if state_key(h.name, "exp_avg") not in saved_keys:
+            continue
+        state = {what: torch.zeros_like(h.tensor, memory_format=torch.contiguous_format)
+                 for what in MOMENTS}
+        state["step"] = torch.zeros(1, dtype=torch.float32)
+        fresh.append((h, state))
+        for what in MOMENTS:
+            parts.append(Part(state_key(h.name, what), h.numel, h.start, h.flat(state[what])))
+        parts.append(Part(state_key(h.name, "step"), 1, 0, state["step"]))
+    with torch.no_grad():
+        read_parts(parts, reader)
+    install_state(fresh, optimizer)
+    return parts
+
+
+def install_state(fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]],
+                  optimizer: torch.optim.Optimizer) -> None:
+    """Hand the loaded state to each local optimizer through its own ``load_state_dict``
+    (which puts ``step`` where that optimizer keeps it: the CPU, or the device when fused)."""
+    by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, Any]]] = {}
+    for h, state in fresh:
+        opt = h.optimizer
+        numbers = {id(p): i for i, p in enumerate(
+            p for g in opt.param_groups for p in g["params"])}
+        entry = {**{what: state[what] for what in MOMENTS}, "step": state["step"].reshape(())}
+        by_optimizer.setdefault(id(opt), (opt, {}))[1][numbers[id(h.tensor)]] = entry
+    for opt, state in by_optimizer.values():
+        groups = opt.state_dict()["param_groups"]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    if hasattr(optimizer, "local_optimizer"):  # zero1's ShardedOptimizer aliases its state
+        optimizer.state = optimizer.local_optimizer.state
