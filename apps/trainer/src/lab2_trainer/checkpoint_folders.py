@@ -246,6 +246,28 @@ def saved_tensors(folder: Path) -> dict[str, Any]:
         raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None
 
 
+def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
+    """The first floating tensor of a step folder holding NaN or infinity, described
+    (None when all are finite). Read a few at a time (``budget`` bytes), never all."""
+    meta = saved_tensors(folder)
+    batch: list[str] = []
+    size = 0
+    keys = sorted(k for k, md in meta.items() if hasattr(md, "size"))
+    for i, key in enumerate(keys):
+        md = meta[key]
+        batch.append(key)
+        size += int(md.size.numel()) * md.properties.dtype.itemsize
+        if size < budget and i + 1 < len(keys):
+            continue
+        for name, t in full_tensors(folder, batch).items():
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
+        batch, size = [], 0
+    return None
+
+
 # -------------------------------------------------------------------------- export
 def full_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """The whole 1-D tensors ``names`` of a step folder (one process, no process group)."""

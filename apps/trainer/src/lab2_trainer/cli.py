@@ -152,14 +152,19 @@ def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
 def load_resume_state(path: Path) -> dict[str, Any]:
     """The checkpoint ``--resume`` resolved to, checked: a single file read whole, or a
     step folder's every file checked against its manifest and its small state read (its
-    tensors stay on disk: the ranks read their parts)."""
+    tensors are read a few at a time, to check that they are finite: the ranks then read
+    their parts)."""
     from lab2_trainer.checkpoint import load_checkpoint
-    from lab2_trainer.checkpoint_folders import load_trainer_state, verify
+    from lab2_trainer.checkpoint_folders import first_non_finite, load_trainer_state, verify
 
     if path.is_file():
         return load_checkpoint(path)
     verify(path)
-    return load_trainer_state(path)
+    state = load_trainer_state(path)
+    bad = first_non_finite(path)
+    if bad:
+        raise UsageError(f"checkpoint {path} is unusable: {bad}")
+    return state
 
 
 def run_folder_of(path: Path) -> Path:

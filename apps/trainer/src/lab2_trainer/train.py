@@ -269,27 +269,18 @@ class Trainer:
 
     def load_shards(self, folder: Path) -> None:
         """Read this rank's part of the model and of AdamW's state from a sharded
-        checkpoint (every rank; collectives), then check that what was read is finite."""
+        checkpoint (every rank; collectives). The launcher checked it whole first
+        (manifest, checksums, shapes, finite values)."""
         from torch.distributed.checkpoint import FileSystemReader
 
         from lab2_trainer.checkpoint_folders import saved_tensors
         from lab2_trainer.sharded_checkpoint import load_into
 
         try:
-            parts = load_into(self.model, self.optimizer, self.s.sharding,
-                              FileSystemReader(str(folder)), set(saved_tensors(folder)))
+            load_into(self.model, self.optimizer, self.s.sharding,
+                      FileSystemReader(str(folder)), set(saved_tensors(folder)))
         except ValueError as exc:
             raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
-        bad = next((p.key for p in parts if p.data.is_floating_point()
-                    and not bool(torch.isfinite(p.data).all())), None)
-        names = [bad]
-        if self.ctx.distributed:
-            names = [None] * self.ctx.world_size
-            dist.all_gather_object(names, bad)
-        bad = next((n for n in names if n is not None), None)
-        if bad is not None:
-            raise UsageError(f"checkpoint {folder} is unusable: tensor {bad} holds "
-                             "non-finite values")
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         if not ckpt.get("sharded"):
