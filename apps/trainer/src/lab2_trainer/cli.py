@@ -282,6 +282,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         check_sharded_checkpoint_fits(ckpt, saved_tensors(path), settings, path)
     elif ckpt is not None:
         check_checkpoint_fits(ckpt, settings, path)
+    if ckpt is not None:
         if settings.steps <= ckpt["step"]:
             where = (f"--steps {settings.steps} is not beyond it" if "steps" in explicit
                      else f"the end of its run (steps = {settings.steps})")
