@@ -15,8 +15,8 @@ from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
-from lab2_trainer.plan import flops_per_token
-from lab2_trainer.report import block_matmul_parameters, recompute_flops_per_token
+from lab2_trainer.report import recompute_flops_per_token
+from lab2_trainer.shapes import block_matmul_parameters, flops_per_token
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

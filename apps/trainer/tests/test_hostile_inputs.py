@@ -181,7 +181,8 @@ def test_3_absurd_layer_counts_are_refused_at_once(capsys, monkeypatch, tmp_path
 
 def test_3_the_parameter_count_is_the_model_s():
     from lab2_trainer.config import model_config
-    from lab2_trainer.validate_inputs import parameter_count, shape_model
+    from lab2_trainer.shapes import parameter_count
+    from lab2_trainer.validate_inputs import shape_model
 
     for norm in ("tritonnorm", "layernorm"):
         for ffn in ("swiglu", "gelu"):
@@ -367,7 +368,7 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         pytest.skip("the scenario is two ranks")
     import socket
 
-    from lab2_trainer.launch import OWNER_NAME
+    from lab2_trainer.supervise import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
