@@ -73,7 +73,6 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         # DCP's collectives run here, on the writer thread, apart from training's.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
-        self.holders = state_holders(model, optimizer, sharding)
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -88,7 +87,9 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()
         parts = []
-        for part in model_parts(self.model, self.sharding) + state_parts(self.holders):
+        # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
+        holders = state_holders(self.model, self.optimizer, self.sharding)
+        for part in model_parts(self.model, self.sharding) + state_parts(holders):
             mine = part.to_write(self.rank, self.world_size)
             if mine is not None:
                 parts.append(mine)

@@ -258,6 +258,8 @@ class Trainer:
             self.scaler = torch.amp.GradScaler(ctx.device.type)
         self.step = 0
         if sharded:
+            # The bucket order first (zero1 rebuilds its buckets), then each rank's part.
+            self.set_gradient_order(ckpt.get("gradient_order"))
             self.load_shards(resume)
         if ckpt is not None:
             self._restore(ckpt)
@@ -285,6 +287,12 @@ class Trainer:
         except ValueError as exc:
             raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
 
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        try:
+            self.parallel.set_gradient_order(order)
+        except ValueError as exc:
+            raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
+
     def _restore(self, ckpt: dict[str, Any]) -> None:
         if not ckpt.get("sharded"):
             try:
@@ -295,10 +303,7 @@ class Trainer:
         set_rng_state(ckpt["rng"], self.ctx.device)
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
-        try:
-            self.parallel.set_gradient_order(ckpt.get("gradient_order"))
-        except ValueError as exc:
-            raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
+        self.set_gradient_order(ckpt.get("gradient_order"))
         self.step = int(ckpt["step"])
 
     def save_checkpoint(self) -> None:
@@ -323,9 +328,9 @@ class Trainer:
                 "rng": rng_state(self.ctx.device),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "world_size": self.ctx.world_size,
-                # minddp's learned launch order: a resumed run at this world size then
-                # sums every gradient in the same order, bit for bit (None: not learned,
-                # as with zero1/zero2, whose buckets follow the parameter order).
+                # The learned bucket order (minddp's, or zero1's): a resumed run at this
+                # world size then sums every gradient in the same order, bit for bit
+                # (None: nothing learned).
                 "gradient_order": self.parallel.gradient_order,
             }
         self.report_checkpoint_error(self.checkpointer.wait())
