@@ -51,7 +51,14 @@ from lab2_trainer.checkpoint import (
 from lab2_trainer.checkpoint_folders import load_trainer_state
 from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
 from lab2_trainer.checkpoint_writer import Checkpointer
-from lab2_trainer.config import BACKWARD_THREADS, PRECISIONS, TrainSettings, UsageError
+from lab2_trainer.config import (
+    BACKWARD_THREADS,
+    PRECISIONS,
+    TrainSettings,
+    UsageError,
+    flag,
+    step_range,
+)
 from lab2_trainer.data import (
     BatchSampler,
     Prefetcher,
@@ -62,6 +69,7 @@ from lab2_trainer.data import (
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.report import (
     SAMPLE_NAME,
     RunReporter,
@@ -237,8 +245,8 @@ class Trainer:
         # What the GPU computes: the model's FLOPs plus the recomputed forwards (HFU).
         self.hardware_flops_per_token = self.flops_per_token + recompute_flops_per_token(
             s.model, s.activation_checkpointing)
-        compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode} if s.compile
-                        else None)
+        compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode,
+                         "scope": s.compile_scope} if s.compile else None)
         self.parallel = parallelize(
             self.model, sharding=s.sharding, ddp=s.ddp, device=ctx.device, lr=s.lr,
             betas=(s.beta1, s.beta2), weight_decay=s.weight_decay,
@@ -417,11 +425,19 @@ class Trainer:
         pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
         windows: list[tuple[int, float]] = []  # (steps, seconds) between fetches
         first_step_s: float | None = None  # this invocation's first step (compilation)
+        profiler = None
+        if s.profile_steps:
+            profiler = StepProfiler(*step_range(flag("profile_steps"), s.profile_steps), out,
+                                    ctx.rank, ctx.device)
         clock.switch("training")
         window_start = time.perf_counter()
         try:
             while self.step < end:
-                loss, grad_norm = self.train_step()
+                with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
+                    loss, grad_norm = self.train_step()
+                if profiler is not None and profiler.due(self.step):
+                    with clock.phase("other"):
+                        profiler.finish()
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
@@ -462,6 +478,8 @@ class Trainer:
                 self.finish_checkpoints()
         finally:
             clock.switch("other")
+            if profiler is not None:  # the steps traced so far, when the run ends early
+                profiler.finish()
             if reporter is not None:
                 reporter.close()
         train_seconds = time.perf_counter() - t0
@@ -494,6 +512,8 @@ class Trainer:
             plot = reporter.plot(entropy) if s.plot else None
             if plot is not None:
                 outputs["loss curve"] = str(plot)
+            if profiler is not None and profiler.written is not None:
+                outputs["profile trace"] = str(profiler.written)
             if s.sample_tokens:
                 with clock.phase("sampling"):
                     text = self.sample(s.sample_tokens, sample_model)
@@ -597,7 +617,7 @@ class Trainer:
         if not s.compile:
             return ""
         mode = f", {s.compile_mode}" if s.compile_mode else ""
-        return f", compiled ({s.compile_backend}{mode})"
+        return f", compiled ({s.compile_backend}{mode}, {s.compile_scope})"
 
     def describe(self, entropy: float) -> str:
         """The opening lines: model, data, batch and parallel setup."""
