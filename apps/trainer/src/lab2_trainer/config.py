@@ -390,10 +390,16 @@ class TrainSettings:
     """Output folder."""
     resume: str | None = setting(None, group="outputs", nargs="?", const="", metavar="PATH",
                                  default_text="no")
-    """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
-    runs/), with every setting of its run unless a flag gives it."""
+    """Continue from a checkpoint (a run folder or its ckpt/ folder: the newest complete
+    step there; a ckpt/step-N folder; or a single file of lab2-train export; alone: --out's,
+    or the newest under runs/), with every setting of its run unless a flag gives it."""
     ckpt_every: int = setting(0, group="outputs", default_text="at the end")
-    """Checkpoint every N steps."""
+    """Checkpoint every N steps (into <out>/ckpt/step-N/, every rank writing its part)."""
+    keep_last: int = setting(1, group="outputs", metavar="K")
+    """Complete checkpoints kept in <out>/ckpt/ (0: all)."""
+    ckpt_async: bool = setting(True, group="outputs")
+    """Write checkpoints in the background while training goes on (the step waits only
+    for a copy to CPU memory)."""
     eval_every: int = setting(50, group="outputs")
     """Validate every N steps (0: only at the end)."""
     eval_batches: int = setting(8, group="outputs")
@@ -461,7 +467,7 @@ class TrainSettings:
         _one_of(flag("sharding"), self.sharding, SHARDING_KINDS)
         _number(flag("timeout"), self.timeout, lambda v: 0 < v <= MAX_SECONDS,
                 f"> 0 and at most {MAX_SECONDS:,.0f} (a year)")
-        for name in ("ckpt_every", "eval_every"):
+        for name in ("ckpt_every", "eval_every", "keep_last"):
             _integer(flag(name), getattr(self, name), 0)
         _integer(flag("eval_batches"), self.eval_batches, 1)
         _integer(flag("log_every"), self.log_every, 1)
