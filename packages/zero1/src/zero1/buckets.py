@@ -130,6 +130,7 @@ class ShardedBuckets:
         self.buckets: list[_Bucket] = []
         self.layout_version = 0  # changes when buckets are rebuilt (their pieces with them)
         self._observed: list[int] | None = []  # first-gradient order, until learned
+        self._order: list[int] | None = None  # the learned order, once learned
         self._hooks: list = []
         self.sync_enabled = True
         self._reset_step()
@@ -216,10 +217,29 @@ class ShardedBuckets:
 
     # ------------------------------------------------------------------ bucket order
     def _learn_order(self) -> None:
-        """Rebuild the buckets along rank 0's first-gradient order (once; collective).
-        A bucket of the same members is kept as it is; only the others are rebuilt."""
+        """Rebuild the buckets along rank 0's first-gradient order (once; collective)."""
         order = agree_on_order(self._observed, len(self.params), self.info.group)
+        self._rebuild_along(order)
+
+    @property
+    def learned_order(self) -> list[int] | None:
+        """The order the buckets follow since the first step (a permutation of the
+        parameters' numbers), None before."""
+        return None if self._order is None else list(self._order)
+
+    def follow_order(self, order: list[int]) -> None:
+        """Take ``order`` (a checkpoint's :attr:`learned_order`) as learned: the buckets are
+        rebuilt along it now, and the first step learns nothing. Collective."""
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"the gradient order must be a permutation of "
+                             f"range({len(self.params)}), the parameters' numbers")
+        self._rebuild_along(list(order))
+
+    def _rebuild_along(self, order: list[int]) -> None:
+        """Buckets cut along ``order``. A bucket of the same members is kept as it is;
+        only the others are rebuilt."""
         self._observed = None
+        self._order = order
         plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, order,
                               self.bucket_rule)
         old = {frozenset(b.members): b for b in self.buckets}

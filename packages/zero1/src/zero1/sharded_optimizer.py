@@ -1,14 +1,8 @@
 """``ShardedOptimizer``: ZeRO stages 1 and 2 around any elementwise ``torch.optim`` optimizer.
 
-Two paths:
-
-* ``reduce_gradients=True`` (the default): the optimizer averages the gradients itself,
-  by reduce-scatters in flat buckets during backward, steps its equal shard of every
-  bucket and all-gathers the parameters: 2Ψ per step, as much as DDP's all-reduce
-  (:mod:`zero1.buckets`). Stage 2 also keeps only the shard of the gradients.
-* ``reduce_gradients=False``: a DDP wrapper has averaged the gradients; each rank steps
-  the whole parameters it owns and broadcasts them (:mod:`zero1.exchange`): 3Ψ with
-  the wrapper's all-reduce, PyTorch's ``ZeroRedundancyOptimizer`` pattern.
+``reduce_gradients=True`` (the default) averages the gradients itself in flat buckets
+(:mod:`zero1.buckets`): 2Ψ per step. ``reduce_gradients=False`` steps whole parameters
+after a DDP wrapper's all-reduce and broadcasts them (:mod:`zero1.exchange`): 3Ψ.
 """
 
 from __future__ import annotations
@@ -348,8 +342,30 @@ class ShardedOptimizer(Optimizer):
         buckets = self._buckets
         version = buckets.layout_version  # type: ignore[union-attr]
         buckets.finish()  # type: ignore[union-attr]
-        if buckets.layout_version == version:  # type: ignore[union-attr]
+        if buckets.layout_version != version:  # type: ignore[union-attr]
+            self._adopt_pieces()
+
+    @property
+    def gradient_order(self) -> list[int] | None:
+        """The order the reduce-scatter path's buckets follow, learned in the first step
+        (None before, and on the broadcast path): a checkpoint keeps it, so that a resumed
+        run cuts its buckets, and sums, as the interrupted one did."""
+        return None if self._buckets is None else self._buckets.learned_order
+
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        """Follow a checkpoint's :attr:`gradient_order` from the first step (the buckets
+        are rebuilt now, the local optimizer moved onto the new pieces with its state).
+        Collective; ignored on the broadcast path and for None."""
+        if self._buckets is None or order is None:
             return
+        version = self._buckets.layout_version
+        self._buckets.follow_order(order)
+        if self._buckets.layout_version != version:
+            self._adopt_pieces()
+
+    def _adopt_pieces(self) -> None:
+        """The buckets were rebuilt: move the local optimizer onto the new pieces, with
+        the state it holds (collective)."""
         shards: list[Any] = [None] * self._info.world_size
         dist.all_gather_object(shards, state_of_pieces(self._local.state,
                                                        self._numbered_pieces()),
@@ -558,6 +574,13 @@ class ShardedOptimizer(Optimizer):
             out.extend((start + j, piece) for j, piece in pieces)
             start += len(group["params"])
         return out
+
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: the local
+        optimizer keys its state by ``piece.local``, the range of the flattened
+        ``piece.param`` that starts at ``piece.start`` (what a checkpoint that never
+        gathers writes and reads)."""
+        return self._numbered_pieces()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard state onto rank ``to`` (collective; tensors on CPU).
