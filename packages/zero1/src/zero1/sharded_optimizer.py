@@ -29,7 +29,6 @@ from .checkpoint import (
     state_of_pieces,
 )
 from .exchange import ParameterExchange, partition_parameters
-from .foreach import choices_for, foreach_pays, local_choices
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
@@ -230,26 +229,16 @@ class ShardedOptimizer(Optimizer):
         # Per group, this rank's pieces: (position in the group, piece).
         self._pieces: list[list[tuple[int, Piece]]] = self._shard(groups)
 
-        # Options we choose for the local optimizer's groups stay out of our own groups and
-        # state dicts, which keep what a plain optimizer with the user's arguments shows.
-        self._local_choices = local_choices(optimizer_cls, defaults)
-        self._public_values = {k: defaults.get(k) for k in self._local_choices}
-        self._foreach_pays: list[bool] = []  # per group, foreach_pays of its local tensors
-        local_groups = []
-        for group, pieces in zip(groups, self._pieces):
-            mine = [piece.local for _, piece in pieces]
-            self._foreach_pays.append(foreach_pays(mine))
-            local_groups.append({**hyperparameters(group),
-                                 **choices_for(group, self._local_choices,
-                                                self._foreach_pays[-1]),
-                                 "params": mine})
+        local_groups = [{**hyperparameters(group),
+                         "params": [piece.local for _, piece in pieces]}
+                        for group, pieces in zip(groups, self._pieces)]
         # An optimizer accepts empty groups, so a rank owning nothing still keeps one
         # local group per global group and the two lists stay aligned.
         self._local = optimizer_cls(local_groups, **defaults)
 
         # Our groups take the local optimizer's filled-in hyperparameters, so both agree.
         full_groups = [
-            {**self._public(local, group), "params": group["params"]}
+            {**hyperparameters(local), "params": group["params"]}
             for local, group in zip(self._local.param_groups, groups)
         ]
         self._constructing = True
@@ -373,7 +362,6 @@ class ShardedOptimizer(Optimizer):
         self._pieces = self._bucket_pieces(self.param_groups)
         for local, pieces in zip(self._local.param_groups, self._pieces):
             local["params"] = [piece.local for _, piece in pieces]
-        self._foreach_pays = [foreach_pays(g["params"]) for g in self._local.param_groups]
         self._local.state.clear()
         if any(shards):
             params = [p for g in self.param_groups for p in g["params"]]
@@ -412,19 +400,15 @@ class ShardedOptimizer(Optimizer):
         loads_before, owners_before = list(self._loads), len(self._owners)
         pieces = self._shard([group])[0]
         mine = [piece.local for _, piece in pieces]
-        pays = foreach_pays(mine)
         try:
-            self._local.add_param_group({**hyperparameters(group),
-                                         **choices_for(group, self._local_choices, pays),
-                                         "params": mine})
+            self._local.add_param_group({**hyperparameters(group), "params": mine})
         except BaseException:
             self._loads = loads_before  # the broadcast path's partition, as it was
             del self._owners[owners_before:]
             raise
         self._pieces.append(pieces)
-        self._foreach_pays.append(pays)
         local = self._local.param_groups[-1]
-        super().add_param_group({**self._public(local, group), "params": group["params"]})
+        super().add_param_group({**hyperparameters(local), "params": group["params"]})
         self._consolidated_state = None
         self._rebuild_exchange()
 
@@ -497,29 +481,10 @@ class ShardedOptimizer(Optimizer):
             self._buckets.zero_grad()
 
     # ------------------------------------------------------------------ stepping
-    def _public(self, local_group: dict[str, Any], user_group: dict[str, Any]) -> dict[str, Any]:
-        """A local group's hyperparameters with our implementation choices undone: an
-        option the user's group names keeps that value, others show the user's default."""
-        out = hyperparameters(local_group)
-        for key, default in self._public_values.items():
-            out[key] = user_group.get(key, default)
-        return out
-
     def _push_hyperparameters(self) -> None:
-        """Copy hyperparameters from our groups (where schedulers edit them) to the shard.
-
-        An option we chose for the shard keeps our value while the group shows the
-        user's default, and follows the group once it is edited (``group["foreach"] =
-        False``).
-        """
-        public = self._public_values
-        for group, local, pays in zip(self.param_groups, self._local.param_groups,
-                                      self._foreach_pays):
-            chosen = choices_for(group, self._local_choices, pays)
-            for key, value in group.items():
-                if key in PARAM_KEYS:
-                    continue
-                local[key] = chosen[key] if key in chosen and value == public[key] else value
+        """Copy hyperparameters from our groups (where schedulers edit them) to the shard."""
+        for group, local in zip(self.param_groups, self._local.param_groups):
+            local.update({k: v for k, v in group.items() if k not in PARAM_KEYS})
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then give every rank the updated parameters.
