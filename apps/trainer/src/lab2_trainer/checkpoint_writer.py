@@ -171,8 +171,12 @@ class Checkpointer:
         from torch.distributed.checkpoint import FileSystemWriter
 
         folder.mkdir(parents=True, exist_ok=True)
-        metadata = write_parts(staged, FileSystemWriter(str(folder), thread_count=1,
-                                                        sync_files=True), self.group)
+        # A step written again (a resume from an earlier one, or after an interrupted
+        # write): its old metadata goes first, on every rank. Safe: the new one is written
+        # by rank 0 only after every rank has planned.
+        (folder / ".metadata").unlink(missing_ok=True)
+        writer = FileSystemWriter(str(folder), thread_count=1, sync_files=True)
+        metadata = write_parts(staged, writer, self.group)
         names = sorted({info.relative_path for info in metadata.storage_data.values()})
         if self.rank == 0:
             names.append(".metadata")
