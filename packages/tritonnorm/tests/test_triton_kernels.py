@@ -589,3 +589,23 @@ def test_module_compile_fullgraph_cuda():
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(4, 16, 64, device="cuda")
     assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_launch_machinery_switches_off_as_a_unit(kernel_device, monkeypatch):
+    # OPTIONS.launch_machinery=False: every kernel through Triton's own launch, nothing of
+    # _machinery (direct launcher, plans, pooled scratch, folded sum) touched.
+    from tritonnorm.ops import OPTIONS
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("the launch machinery ran")
+
+    for name in ("launch", "replay_forward", "replay_backward", "partials_buffer",
+                 "folded_backward", "record_forward", "backward_key"):
+        monkeypatch.setattr(_launcher(), name, untouchable)
+    x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.float32, seed=6,
+                             device=kernel_device)
+    with OPTIONS.override(launch_machinery=False):
+        _check(x, w, dy)
+        _check(x, w, dy)  # a shape seen before: still no plan
+        with _launch_config().override(looped=True, chunk=32):
+            _check(x, w, dy)

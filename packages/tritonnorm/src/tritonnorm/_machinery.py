@@ -6,10 +6,10 @@ and ``OPTIONS.launch_machinery = False`` switches all of them off:
 
 * the direct launcher (``launch``): Triton's compiled kernel, kept per specialisation and
   launched through ``CompiledKernel.run`` with bare addresses;
-* recorded launch plans (``replay_forward``, ``replay_backward``, ``record_*``): a
-  contiguous shape launched before is launched again from a ``Plan`` with its addresses,
-  one alignment test and the direct launcher;
-* scratch memory per (device, stream) (``partials_buffer``, ``fold_counter``);
+* recorded launch plans (``replay_forward``, ``record_forward``, ``replay_backward``,
+  ``backward_key``): a contiguous shape launched before is launched again from a ``Plan``
+  with its addresses, one alignment test and the direct launcher;
+* scratch memory per (device, stream) (``partials_buffer``);
 * the weight-gradient sum folded into the backward kernel (``folded_backward``), which
   saves a launch.
 

@@ -17,11 +17,13 @@ class _Switches:
     """``override(**changes)`` for a dataclass of switches: a context manager that sets
     fields and restores them on exit (an unknown name is a TypeError)."""
 
+    _ELSEWHERE = ""
+
     def override(self, **changes) -> contextlib.AbstractContextManager:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"unknown tritonnorm {type(self).__name__.lower()} field(s): "
-                            f"{', '.join(sorted(unknown))}")
+                            f"{', '.join(sorted(unknown))}{self._ELSEWHERE}")
         return self._override(changes)
 
     @contextlib.contextmanager
@@ -43,6 +45,9 @@ def _torch_below_default() -> dict:
 @dataclass
 class Options(_Switches):
     """Which path a call of ``rms_norm`` or ``fused_add_rms_norm`` takes."""
+
+    _ELSEWHERE = ("; the launch machinery's pieces are tritonnorm._machinery.SWITCHES, "
+                  "launch configurations tritonnorm._tuning.override(...)")
 
     eager_dispatch: str = "auto"
     """An eager call on CUDA: "kernels" (the Triton kernels), "torch" (PyTorch's
