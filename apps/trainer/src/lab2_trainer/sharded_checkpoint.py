@@ -20,10 +20,12 @@ rank describes what it holds as :class:`Part`\\ s, ``(key, start, local 1-D tens
   a contiguous range of its parameter (:class:`zero1.buckets.Piece`, ``start``);
 * zero1-allreduce and torch (ZeroRedundancyOptimizer) give whole parameters' state to one
   rank each;
-* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range.
+* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range;
+* zero1's stage 3 (``zero1.shard_model`` and ``Stage3Optimizer``, "zero3") keeps each
+  parameter's values and state in the same pieces of its units' flat shards.
 
-A stage that shards the parameters themselves adds its parts in :func:`model_parts` and
-:func:`state_parts`; nothing else changes.
+A new kind adds its parts in :func:`model_parts` and :func:`state_holders`; nothing else
+changes.
 
 DCP is told about the parts by a small save planner (:class:`PartSavePlanner`: one
 ``WriteItem`` per part, with its offset in the whole tensor) and read back by a load
@@ -156,9 +158,16 @@ def _rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def model_parts(model: torch.nn.Module, sharding: str) -> list[Part]:
-    """This rank's parts of the model's parameters."""
+def model_parts(model: torch.nn.Module, sharding: str,
+                optimizer: torch.optim.Optimizer | None = None) -> list[Part]:
+    """This rank's parts of the model's parameters (``optimizer``: with "zero3", whose
+    pieces hold the parameters' shards)."""
     rank, world = _rank_and_size()
+    if sharding == "zero3":
+        names = parameter_names(model)
+        return [Part(model_key(names[id(piece.param)]), piece.param.numel(), piece.start,
+                     piece.local.detach())
+                for _, piece in optimizer.numbered_pieces()]
     parts = []
     for name, p in model.named_parameters():
         if sharding == "fsdp":
@@ -179,7 +188,7 @@ def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Where this rank keeps AdamW state, whatever the kind."""
     names = parameter_names(model)
     rank, world = _rank_and_size()
-    if sharding in ("zero1", "zero2", "zero1-allreduce"):
+    if sharding in ("zero1", "zero2", "zero1-allreduce", "zero3"):
         local = optimizer.local_optimizer
         return [StateHolder(names[id(piece.param)], piece.param.numel(), piece.start,
                             piece.local, local)
@@ -319,7 +328,8 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding
         saved_keys: the tensors the checkpoint holds (its metadata's keys): a parameter
             without ``optim.<name>.exp_avg`` there was not stepped yet and gets no state.
     """
-    parts = [Part(p.key, p.numel, p.start, p.data) for p in model_parts(model, sharding)]
+    parts = [Part(p.key, p.numel, p.start, p.data)
+             for p in model_parts(model, sharding, optimizer)]
     holders = state_holders(model, optimizer, sharding)
     fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
     for h in holders:
