@@ -288,9 +288,8 @@ def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> Non
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
-        dcp.load({p.key: p.data for p in parts}, storage_reader=reader,
-                 planner=PartLoadPlanner(parts), process_group=process_group,
-                 no_dist=not distributed)
+        _call(dcp.load, {p.key: p.data for p in parts}, distributed, storage_reader=reader,
+              planner=PartLoadPlanner(parts), process_group=process_group)
 
 
 def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> Any:
@@ -299,9 +298,22 @@ def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> An
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
-        return dcp.save({p.key: p.data for p in parts}, storage_writer=writer,
-                        planner=PartSavePlanner(parts), process_group=process_group,
-                        no_dist=not distributed)
+        return _call(dcp.save, {p.key: p.data for p in parts}, distributed,
+                     storage_writer=writer, planner=PartSavePlanner(parts),
+                     process_group=process_group)
+
+
+def _call(fn: Any, state: dict[str, torch.Tensor], distributed: bool, **kwargs: Any) -> Any:
+    """``dcp.save`` or ``dcp.load``, told when there is no process group (torch before 2.5
+    takes no ``no_dist`` there and finds out by itself)."""
+    if distributed:
+        return fn(state, **kwargs)
+    try:
+        return fn(state, no_dist=True, **kwargs)
+    except TypeError as exc:
+        if "no_dist" not in str(exc):
+            raise
+        return fn(state, **kwargs)
 
 
 @contextlib.contextmanager
