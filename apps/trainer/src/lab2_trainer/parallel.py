@@ -1,12 +1,12 @@
 """The data-parallel and sharding choices of a run, applied by one function.
 
 :func:`parallelize` sets up a bare model for training in a fixed order (as torchtitan's
-``parallelize.py`` does): compilation first (``torch.compile`` of the bare model), then the
-sharding kind's family, which wraps, hooks or shards the model and builds the optimizer. It
-returns that family's :class:`Parallel`: what the training step calls (the training
-forward, ``no_sync()``, ``finish()``, ``clip_grad_norm_`` and the optimizer), plus the full
-(unsharded) model and optimizer state for checkpoints, in the trainer's one format whatever
-the kind.
+``parallelize.py`` does): compilation first (each block of the bare model on its own, or
+the whole model: :func:`compile_model`), then the sharding kind's family, which wraps,
+hooks or shards the model and builds the optimizer. It returns that family's
+:class:`Parallel`: what the training step calls (the training forward, ``no_sync()``,
+``finish()``, ``clip_grad_norm_`` and the optimizer), plus the full (unsharded) model and
+optimizer state for checkpoints, in the trainer's one format whatever the kind.
 
 Each family is one small class with the same methods (:data:`FAMILIES` maps the
 ``--sharding`` kinds to them):
@@ -446,10 +446,10 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     """Set ``model`` up for training: the one place that applies parallelism, in a fixed
     order.
 
-    1. Compilation: with ``compile`` (``{"backend": ..., "mode": ...}``), the bare model
-       goes through ``torch.compile``; everything after wraps or hooks the bare model's
-       modules and parameters, so the DDP wrappers' and zero1's gradient hooks and FSDP2's
-       module hooks still fire around the compiled graphs.
+    1. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
+       is compiled block by block, or whole; everything after wraps or hooks the bare
+       model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
+       and FSDP2's module hooks still fire around the compiled graphs.
     2. The family of ``sharding`` (:data:`FAMILIES`) applies itself: a DDP wrapper around
        the compiled module, or (zero, fsdp) the ranks' models checked to agree
        (``minddp.check_model_consistency``), rank 0's weights broadcast and, for fsdp,
@@ -461,7 +461,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
         ddp: one of ``config.DDP_KINDS`` ("none" with zero1, zero2 and fsdp).
         device: this rank's device.
         lr, betas, weight_decay, fused: AdamW's.
-        compile: torch.compile's backend and mode, or None.
+        compile: torch.compile's backend and mode and the scope (:func:`compile_model`),
+            or None.
         bucket_mb, bucket_rule: DDP's buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (:func:`ddp_wrapper`).
         reshard_after_forward: FSDP2's, for "fsdp".
@@ -473,14 +474,31 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     if sharding in SELF_REDUCING and ddp != "none":
         raise ValueError(f"sharding {sharding!r} averages gradients itself: ddp must be "
                          f"'none', not {ddp!r}")
-    compiled = model
-    if compile is not None:
-        compiled = torch.compile(model, backend=compile.get("backend", "inductor"),
-                                 mode=compile.get("mode"))
+    compiled = model if compile is None else compile_model(model, **compile)
     options = Options(ddp=ddp, device=device, lr=lr, betas=betas, weight_decay=weight_decay,
                       fused=fused, bucket_mb=bucket_mb, bucket_rule=bucket_rule,
                       reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
     return FAMILIES[sharding].apply(model, compiled, sharding, options)
+
+
+def compile_model(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
+                  scope: str = "blocks") -> nn.Module:
+    """Compile ``model`` with ``torch.compile(backend=, mode=)``; returns what the training
+    forward calls.
+
+    Args:
+        scope: "blocks": regional compilation, in place
+            (``TransformerLM.compile_regions``: each block on its own, one graph serving
+            every block, and the embedding and the head); the model itself is returned.
+            "model": the whole model as one graph (``torch.compile(model)``, a wrapper;
+            the model itself stays uncompiled).
+    """
+    if scope == "blocks":
+        model.compile_regions(backend=backend, mode=mode)
+        return model
+    if scope == "model":
+        return torch.compile(model, backend=backend, mode=mode)
+    raise ValueError(f"compile scope must be 'blocks' or 'model', got {scope!r}")
 
 
 def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float],
