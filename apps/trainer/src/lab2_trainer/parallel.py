@@ -146,7 +146,8 @@ class Parallel:
 
     @property
     def gradient_order(self) -> list[int] | None:
-        """minddp's learned launch order (bucketed, individual), for checkpoints; else None."""
+        """The learned bucket order, for checkpoints (minddp's launch order, zero1's bucket
+        order); None where nothing is learned."""
         return None
 
     def set_gradient_order(self, order: list[int] | None) -> None:
@@ -333,6 +334,14 @@ class Zero(Parallel):
         # The model's .grad are not the averaged gradients: the optimizer's shards are (one
         # scalar all-reduce).
         return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
+
+    @property
+    def gradient_order(self) -> list[int] | None:
+        # The order ShardedOptimizer's buckets follow after the first step.
+        return self.optimizer.gradient_order
+
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        self.optimizer.set_gradient_order(order)  # a collective
 
 
 # ------------------------------------------------------------------------------ fsdp

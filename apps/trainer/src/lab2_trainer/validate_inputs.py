@@ -218,7 +218,62 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
     except (TypeError, ValueError) as exc:
         raise UsageError(f"checkpoint {path}: {exc}") from None
     _check_adamw_content(ckpt["optimizer"], opt.param_groups, settings, path)
-    _check_gradient_order(ckpt.get("gradient_order"), len(list(model.parameters())), path)
+    _check_run_state(ckpt, settings, path, len(list(model.parameters())))
+
+
+def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any],
+                                  settings: Any, path: Any) -> None:
+    """A sharded checkpoint (its ``trainer.pt`` and DCP's metadata, ``tensors``) fits the
+    run about to start: every parameter's flat tensor of its size, AdamW's state whole or
+    absent for each, nothing else; then what :func:`check_checkpoint_fits` checks of the
+    rest. No tensor is read.
+
+    Raises:
+        UsageError: one line naming the checkpoint and the first thing that does not fit.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lab2_trainer.parallel import param_groups
+    from lab2_trainer.sharded_checkpoint import MOMENTS, model_key, parameter_names, state_key
+
+    model = shape_model(settings.model)
+    names = parameter_names(model)
+    sizes = {}
+    for p in model.parameters():
+        name = names[id(p)]
+        sizes[model_key(name)] = p.numel()
+        if state_key(name, "exp_avg") in tensors:
+            sizes.update({state_key(name, m): p.numel() for m in MOMENTS})
+            sizes[state_key(name, "step")] = 1
+    for key, numel in sizes.items():
+        md = tensors.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise UsageError(f"checkpoint {path}: it lacks tensor {key}")
+        if tuple(md.size) != (numel,) or not md.properties.dtype.is_floating_point:
+            raise UsageError(f"checkpoint {path}: tensor {key} is {md.properties.dtype} of "
+                             f"{list(md.size)} elements; the model needs a floating tensor of "
+                             f"{numel}")
+    extra = sorted(set(tensors) - set(sizes))
+    if extra:
+        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+    from zero1.checkpoint import check_state_dict
+
+    opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
+                            betas=(settings.beta1, settings.beta2), eps=1e-8)
+    groups = {"state": {}, "param_groups": small["optimizer_groups"]}
+    try:
+        check_state_dict(groups, opt.param_groups, opt.defaults, optimizer_name="AdamW",
+                         optimizer_cls=torch.optim.AdamW, who="optimizer state")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path}: {exc}") from None
+    _check_adamw_content(groups, opt.param_groups, settings, path)
+    _check_run_state(small, settings, path, len(list(model.parameters())))
+
+
+def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
+    """The launch order, random state, scaler, data position and step of a checkpoint."""
+    _check_gradient_order(ckpt.get("gradient_order"), n_params, path)
     _check_rng(ckpt["rng"], path)
     _check_scaler(ckpt.get("scaler"), path)
     sampler = ckpt["sampler"]
