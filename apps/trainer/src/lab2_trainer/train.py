@@ -341,23 +341,11 @@ class Trainer:
                 # (None: nothing learned).
                 "gradient_order": self.parallel.gradient_order,
             }
-        self.report_checkpoint_error(self.checkpointer.wait())
         self.checkpointer.save(self.step, state)
 
     def finish_checkpoints(self) -> None:
-        """Wait for the save in flight (the end of a run); a failed last save fails the
-        run."""
-        error = self.checkpointer.wait()
-        if error is not None:
-            raise RuntimeError(error)
-
-    def report_checkpoint_error(self, error: str | None) -> None:
-        """One line on stderr for a background save that failed; training goes on."""
-        if error is not None:
-            import sys
-
-            print(f"lab2-train: warning: rank {self.ctx.rank}: {error}", file=sys.stderr,
-                  flush=True)
+        """Wait for the save in flight (the end of a run); a failed last save fails it."""
+        self.checkpointer.finish()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (this rank's mean loss, gradient norm before
@@ -501,8 +489,10 @@ class Trainer:
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
-            "checkpoint_stall_seconds": sum(self.checkpointer.stalls),
-            "checkpoint_stall_max_seconds": max(self.checkpointer.stalls, default=0.0),
+            # Seconds each save kept training waiting (the copy to CPU memory, and any wait
+            # for the previous save), and the end of the run for the last one.
+            "checkpoint_stalls": self.checkpointer.stalls,
+            "checkpoint_final_wait_s": self.checkpointer.final_wait,
         }
         # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
         with clock.phase("sampling"):
