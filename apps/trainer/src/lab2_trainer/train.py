@@ -462,8 +462,11 @@ class Trainer:
                 with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
                     loss, grad_norm = self.train_step()
                 if profiler is not None and profiler.due(self.step):
+                    profiler.wait_for_device()  # the traced steps' own work: training
+                    exporting = time.perf_counter()
                     with clock.phase("other"):
                         profiler.finish()
+                    window_start += time.perf_counter() - exporting  # not a step's time
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
