@@ -69,7 +69,7 @@ def _reload_rank(rank, world_size, data, source, out):
         t = Trainer(settings(data, f"{out}/{kind}-from-{other}", kind,
                              resume=step_folder(f"{source}/{other}", 2)), ctx)
         t.save_checkpoint()
-        t.finish_checkpoints()
+        t.checkpointer.finish()
 
 
 def losses(out) -> dict[int, float]:

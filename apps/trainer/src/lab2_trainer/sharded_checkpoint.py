@@ -330,6 +330,27 @@ def _alone_is_meant(distributed: bool) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------- loading
+def load_folder(folder: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                sharding: str) -> None:
+    """Read this rank's part of the model and of AdamW's state from a step folder (every
+    rank; collectives). The launcher checked the folder whole first (manifest, checksums,
+    sizes, finite values).
+
+    Raises:
+        UsageError: it does not fit this model.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lab2_trainer.checkpoint_folders import saved_tensors
+    from lab2_trainer.config import UsageError
+
+    try:
+        load_into(model, optimizer, sharding, FileSystemReader(str(folder)),
+                  set(saved_tensors(folder)))
+    except ValueError as exc:
+        raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
+
+
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
               reader: Any, saved_keys: set[str]) -> list[Part]:
     """Load a checkpoint's model and AdamW state into this rank's parameters and optimizer
