@@ -23,6 +23,8 @@ zero1, zero2        ShardedOptimizer's hooks:       ShardedOptimizer(stage=1 or 
                     reduce-scatter in backward      reduce_gradients=True)
 zero1-allreduce     the ``--ddp`` wrapper            ShardedOptimizer(reduce_gradients=False)
 torch               the ``--ddp`` wrapper            ZeroRedundancyOptimizer(AdamW)
+zero3               zero1.shard_model's hooks:      Stage3Optimizer(AdamW) over
+                    reduce-scatter in backward      the shards
 fsdp                FSDP2 (reduce-scatter)          AdamW over the sharded parameters
 ==================  ==============================  ==============================
 """
@@ -175,6 +177,10 @@ def build_optimizer(model: nn.Module, sharding: str, *, lr: float, betas: tuple[
         kwargs["fused"] = True
     if sharding in ("none", "fsdp"):
         return torch.optim.AdamW(groups, **kwargs)
+    if sharding == "zero3":
+        from zero1 import Stage3Optimizer
+
+        return Stage3Optimizer(groups, torch.optim.AdamW, **kwargs)
     if sharding in ZERO_STAGES:
         from zero1 import ShardedOptimizer
 
@@ -240,7 +246,7 @@ class Parallel:
     Attributes:
         model: the bare model (with "fsdp" its parameters are sharded DTensors).
         sharding, ddp: the kinds (``--sharding``, ``--ddp``).
-        sync: the DDP wrapper's ``GradSync`` (kind "none" with zero1, zero2 and fsdp).
+        sync: the DDP wrapper's ``GradSync`` (kind "none" with zero1, zero2, zero3, fsdp).
         optimizer: steps the parameters.
         eval_module: what evaluation forwards through (no DDP wrapper; compiled when the
             run compiles; the FSDP root with "fsdp", so every rank must evaluate).
@@ -257,8 +263,8 @@ class Parallel:
 
     @property
     def zero_reduces(self) -> bool:
-        """Whether zero1's ShardedOptimizer averages the gradients (zero1, zero2)."""
-        return self.sharding in ZERO_STAGES
+        """Whether zero1's optimizer averages the gradients (zero1, zero2, zero3)."""
+        return self.sharding in ZERO_STAGES or self.sharding == "zero3"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward (through the DDP wrapper, if any)."""
@@ -308,8 +314,12 @@ class Parallel:
 
     # ----------------------------------------------------------------- checkpoints
     def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:
-        """The model's whole state dict (CPU tensors with "fsdp") on rank 0, None
-        elsewhere. A collective with "fsdp": call it on every rank."""
+        """The model's whole state dict (CPU tensors with "zero3" and "fsdp") on rank 0,
+        None elsewhere. A collective with those: call it on every rank."""
+        if self.sharding == "zero3":
+            from zero1 import sharding_of
+
+            return sharding_of(self.model).full_state_dict(to=0)
         if self.sharding == "fsdp":
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -403,10 +413,11 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
        modules and parameters, so the DDP wrappers' and zero1's gradient hooks and FSDP2's
        module hooks still fire around the compiled graphs.
     2. Data parallelism / sharding:
-       - "zero1", "zero2", "fsdp": no DDP wrapper; the ranks' models are checked to agree
+       - "zero1", "zero2", "zero3", "fsdp": no DDP wrapper; the ranks' models are checked to agree
          (``minddp.check_model_consistency``) and rank 0's parameters and buffers are
          broadcast (``minddp.broadcast_module``), then for "fsdp" ``fully_shard`` is
-         applied to every transformer block and then the root;
+         applied to every transformer block and then the root, for "zero3"
+         ``zero1.shard_model`` with the blocks as units;
        - the others: the ``--ddp`` wrapper (``GradSync``) around the forward module.
     3. The optimizer (:func:`build_optimizer`): for "zero1"/"zero2" it registers its
        gradient hooks on the parameters, for "fsdp" it is plain AdamW over the shards.
@@ -414,7 +425,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     Args:
         model: the bare model, on ``device``, identical on every rank.
         sharding: one of ``settings.SHARDING_KINDS``.
-        ddp: one of ``settings.DDP_KINDS`` ("none" with zero1, zero2 and fsdp).
+        ddp: one of ``settings.DDP_KINDS`` ("none" with zero1, zero2, zero3 and fsdp).
         device: this rank's device.
         lr, betas, weight_decay, fused: AdamW's.
         compile: torch.compile's backend and mode, or None.
@@ -422,7 +433,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
             exclusive with ``compile``.
         bucket_mb, bucket_rule: DDP's buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (``GradSync``).
-        reshard_after_forward: FSDP2's, for "fsdp".
+        reshard_after_forward: for "zero3" and "fsdp".
     """
     from lab2_trainer.config import SELF_REDUCING
 
@@ -443,6 +454,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
             broadcast_module(model)
         if sharding == "fsdp":
             _fully_shard(model, device, reshard_after_forward)
+        if sharding == "zero3":
+            _shard_zero3(model, reshard_after_forward)
     sync = GradSync(model, forward_module, ddp, bucket_mb, device, reduce_dtype=reduce_dtype,
                     bucket_rule=bucket_rule)
     # 3. The optimizer.
@@ -461,3 +474,12 @@ def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: 
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _shard_zero3(model: nn.Module, reshard_after_forward: bool) -> None:
+    """zero1's stage 3 over the default group, in FSDP2's layout: each transformer block
+    (``model.blocks``) is a unit, the root holds the rest (embeddings, final norm, head)."""
+    from zero1 import shard_model
+
+    shard_model(model, units=list(getattr(model, "blocks", ())),
+                reshard_after_forward=reshard_after_forward)

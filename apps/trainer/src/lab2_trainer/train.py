@@ -8,7 +8,7 @@ averaging; clipping by the global norm of the averaged gradients; the optimizer 
 wraps the model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up by
 :func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
 ``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
-zero1, zero2 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
+zero1, zero2, zero3 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
 from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
 equal slice, and the averaging across ranks then gives the mean over the global batch: the
 same as one process on the whole batch.
@@ -427,7 +427,7 @@ class Trainer:
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
         }
-        # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
+        # A collective with zero3 and fsdp (the whole model is gathered onto rank 0).
         with clock.phase("sampling"):
             sample_model = self.sampling_model() if s.sample_tokens else None
         if reporter is not None:
@@ -520,6 +520,8 @@ class Trainer:
                "zero2": f"zero1.ShardedOptimizer(stage 2, reduce-scatter, {buckets}, {adamw})",
                "zero1-allreduce": f"zero1.ShardedOptimizer(stage 1, broadcast, {adamw})",
                "torch": f"ZeroRedundancyOptimizer({adamw})",
+               "zero3": f"zero1.shard_model(reshard_after_forward={s.reshard_after_forward}) "
+                        f"+ zero1.Stage3Optimizer({adamw})",
                "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
                        f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
@@ -565,10 +567,10 @@ class Trainer:
         )
 
     def sampling_model(self) -> TransformerLM | None:
-        """The model to sample from on rank 0: the trained one itself, or with fsdp (whose
-        parameters are shards) an unsharded copy built from the gathered state dict. A
-        collective with fsdp; None on the other ranks there."""
-        if self.parallel.sharding != "fsdp":
+        """The model to sample from on rank 0: the trained one itself, or with zero3 and
+        fsdp (whose parameters are shards) an unsharded copy built from the gathered state
+        dict. A collective with those; None on the other ranks there."""
+        if self.parallel.sharding not in ("zero3", "fsdp"):
             return self.model
         state = self.parallel.full_model_state(self.ctx.rank)
         if state is None:
