@@ -311,7 +311,7 @@ def test_plan_command_prints_a_table_and_json(capsys):
     (["--n-heads", "5"], "does not divide d_model"),
     (["--efficiency", "1.5"], "--efficiency must be in (0, 1]"),
     (["--nvlink-gbs", "nan"], "--nvlink-gbs must be a finite number"),
-    (["--sharding", "zero3"], "invalid choice"),
+    (["--sharding", "zero4"], "invalid choice"),
     (["--plot", "/nonexistent-folder/plan.png"], "is not a folder"),
     (["--sharding", "zero2", "--ddp", "bucketed"], "averages gradients itself"),
 ])

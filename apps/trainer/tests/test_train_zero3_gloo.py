@@ -94,8 +94,13 @@ def test_zero3_trains_resumes_and_moves_between_kinds(world_size, corpus_dir, tm
         assert relative_error(expected, got[name]) < 1e-5, name
         for ours, theirs in zip(losses(ranks / name), ref_losses, strict=True):
             assert abs(ours - theirs) < 1e-5 * abs(theirs), (name, ours, theirs)
+    # Training after the resume is the straight run's, bit for bit. The logged losses are
+    # the ranks' means by one all-reduce over several steps' losses at once, which Gloo
+    # may sum in another order for another number of steps (seen at 4 ranks): 1 ulp.
     assert bitwise_equal(got["straight"], got["resumed"])
-    assert losses(ranks / "resumed") == losses(ranks / "straight")[3:]
+    for ours, theirs in zip(losses(ranks / "resumed"), losses(ranks / "straight")[3:],
+                            strict=True):
+        assert abs(ours - theirs) <= 4e-7 * abs(theirs), (ours, theirs)
     for key in ("straight", "zero1-from-zero3", "zero3-from-single", "zero3-from-fsdp"):
         assert relative_error(expected6, got[key]) < 1e-5, key
     # zero3's checkpoint, from world_size ranks, resumed by one process (--sharding none).
