@@ -184,6 +184,18 @@ class Stage3Optimizer(Optimizer):
                 base = piece.local.storage_offset() - unit.shard.storage_offset()
                 piece.local.grad = unit.grad_shard[base:base + piece.local.numel()]
 
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this rank holds: the averaged shards, and the full gradients
+        ``no_sync`` keeps in ``.grad``."""
+        total = 0
+        for sharded in self._shardings:
+            for unit in sharded.units:
+                if unit.grad_shard is not None:
+                    total += unit.grad_shard.numel() * unit.grad_shard.element_size()
+                total += sum(p.grad.numel() * p.grad.element_size() for p in unit.params
+                             if p.grad is not None)
+        return total
+
     def shard_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps (after the synchronization)."""
         self.finish_gradient_synchronization()
