@@ -14,8 +14,8 @@ Stacks (norm layer, ``harness.SHARDINGS`` kind, DDP wrapper): ``ours`` (tritonno
 ``pytorch`` (``nn.RMSNorm`` + DistributedDataParallel + ZeroRedundancyOptimizer),
 ``pytorch-fsdp`` and ``pytorch-fsdp-keep`` (FSDP2, ``reshard_after_forward`` True / False).
 Each is set up by the trainer's ``parallelize``; with ``--compile`` every model is compiled as
-the trainer compiles it (the bare model through ``torch.compile``, the wrapper or hooks
-around it). ``mfu`` is per GPU, empty where no peak is known.
+the trainer compiles it (block by block, the wrapper or hooks around the compiled graphs).
+``mfu`` is per GPU, empty where no peak is known.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 import harness
 from torch import nn
 
-from lab2_trainer.report import device_peak, matmul_parameters, mfu, training_flops_per_token
+from lab2_trainer.report import device_peak, matmul_parameters, mfu
+from lab2_trainer.shapes import training_flops_per_token
 
 STACKS: dict[str, tuple[str, str, str | None]] = {
     "ours": ("ours", "zero1", None),
