@@ -309,13 +309,13 @@ class Parallel:
         """The learned bucket order, for checkpoints: minddp's launch order
         (``GradSync``'s), or with zero1 and zero2 the order ShardedOptimizer's buckets
         follow after the first step; None for the other kinds."""
-        if self.zero_reduces:
+        if self.sharding in ZERO_STAGES:
             return self.optimizer.gradient_order
         return self.sync.gradient_order
 
     def set_gradient_order(self, order: list[int] | None) -> None:
         """Follow a checkpoint's order (a collective with zero1 and zero2)."""
-        if self.zero_reduces:
+        if self.sharding in ZERO_STAGES:
             self.optimizer.set_gradient_order(order)
         else:
             self.sync.set_gradient_order(order)

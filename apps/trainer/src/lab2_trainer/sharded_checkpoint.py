@@ -20,7 +20,9 @@ rank describes what it holds as :class:`Part`\\ s, ``(key, start, local 1-D tens
   a contiguous range of its parameter (:class:`zero1.buckets.Piece`, ``start``);
 * zero1-allreduce and torch (ZeroRedundancyOptimizer) give whole parameters' state to one
   rank each;
-* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range.
+* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range;
+* zero3's shards (``zero1.shard_model``) cut each unit's flat buffer like zero1's buckets:
+  the model's and AdamW's parts are the same pieces (:func:`zero1.stage3_optimizer.piece_of`).
 
 A stage that shards the parameters themselves adds its parts in :func:`model_parts` and
 :func:`state_parts`; nothing else changes.
@@ -161,7 +163,13 @@ def model_parts(model: torch.nn.Module, sharding: str) -> list[Part]:
     rank, world = _rank_and_size()
     parts = []
     for name, p in model.named_parameters():
-        if sharding == "fsdp":
+        if sharding == "zero3":
+            from zero1.stage3_optimizer import piece_of
+
+            piece = piece_of(p)
+            if piece is not None:
+                parts.append(Part(model_key(name), p.numel(), piece.start, piece.local))
+        elif sharding == "fsdp":
             local = p.to_local().reshape(-1)
             lo, hi = _row_range(p, rank, world)
             if local.numel() != hi - lo:
@@ -179,7 +187,7 @@ def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Where this rank keeps AdamW state, whatever the kind."""
     names = parameter_names(model)
     rank, world = _rank_and_size()
-    if sharding in ("zero1", "zero2", "zero1-allreduce"):
+    if sharding in ("zero1", "zero2", "zero3", "zero1-allreduce"):
         local = optimizer.local_optimizer
         return [StateHolder(names[id(piece.param)], piece.param.numel(), piece.start,
                             piece.local, local)

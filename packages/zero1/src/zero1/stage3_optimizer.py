@@ -57,8 +57,11 @@ def _owner(p: torch.Tensor) -> tuple[ShardedModel, Unit, int]:
     return info
 
 
-def _piece(p: torch.Tensor) -> Piece | None:
-    """This rank's piece of ``p``: the 1-D view of its unit's shard it falls into."""
+def piece_of(p: torch.Tensor) -> Piece | None:
+    """This rank's piece of a sharded parameter ``p``: the 1-D view of its unit's shard
+    that holds elements ``[start, start + numel)`` of the flattened ``p`` (None when no
+    element of ``p`` is in this rank's shard). What a checkpoint that never gathers
+    writes and reads."""
     sharded, unit, i = _owner(p)
     off, n = unit.offsets[i], p.numel()
     if unit.alias:
@@ -113,7 +116,7 @@ class Stage3Optimizer(Optimizer):
     def _pieces_of(group: Mapping[str, Any]) -> list[tuple[int, Piece]]:
         out = []
         for position, p in enumerate(group["params"]):
-            piece = _piece(p)
+            piece = piece_of(p)
             if piece is not None:
                 out.append((position, piece))
         return out
@@ -263,7 +266,9 @@ class Stage3Optimizer(Optimizer):
         return loss
 
     # -------------------------------------------------------------- checkpoints
-    def _numbered_pieces(self) -> list[tuple[int, Piece]]:
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: the local
+        optimizer keys its state by ``piece.local`` (see :func:`piece_of`)."""
         out, start = [], 0
         for group, pieces in zip(self.param_groups, self._pieces):
             out.extend((start + j, piece) for j, piece in pieces)
@@ -276,7 +281,7 @@ class Stage3Optimizer(Optimizer):
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"{_WHO}.consolidate_state_dict: to must be a rank in "
                              f"[0, {self.world_size}), got {to!r}")
-        shard = state_of_pieces(self._local.state, self._numbered_pieces())
+        shard = state_of_pieces(self._local.state, self.numbered_pieces())
         if self.world_size == 1:
             shards: Any = [shard]
         else:
