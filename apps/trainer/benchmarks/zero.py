@@ -81,7 +81,7 @@ def zero_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, A
                                        on_first_step=first_step)
     for name in spec.variants:
         v = build(name, base, device)
-        wrapper = getattr(v.sync, "wrapper", None)
+        wrapper = v.wrapper
         if hasattr(wrapper, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

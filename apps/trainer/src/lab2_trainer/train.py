@@ -25,7 +25,7 @@ rank of this trainer drives one device, so the worker gains nothing; and Python 
 backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
 hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
 state, after a hand-over each way. The trainer therefore runs backward on the caller
-(measured in ``apps/trainer/docs/benchmarks/2026-12-01-h200-backward-thread.md``).
+(the measurement: the README's ``--backward-thread`` section links the record).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,7 +69,7 @@ from lab2_trainer.data import (
 )
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
-from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.parallel import Parallel, fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.report import (
     SAMPLE_NAME,
@@ -153,6 +154,10 @@ def backward_thread(kind: str) -> AbstractContextManager:
     return torch.autograd.set_multithreading_enabled(kind == "autograd")
 
 
+# The step's own name for it (its argument ``backward_thread`` is the kind).
+backward_thread_context = backward_thread
+
+
 # ----------------------------------------------------------------------- training loop
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
@@ -209,6 +214,60 @@ def evaluate(model: torch.nn.Module, sampler: BatchSampler, n_batches: int, ctx:
     return all_mean(total / n_batches)
 
 
+def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+               *, precision: str, device: torch.device, clip: float,
+               scaler: torch.amp.GradScaler | None = None, backward_thread: str = "caller",
+               mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of ``parallel`` on this rank's ``micro_batches``: the trainer's
+    step, and the one the benchmarks time.
+
+    Forward under autocast and backward per micro-batch (all but the last inside
+    ``no_sync``), the gradient averaging (``finish``), clipping by the global norm of the
+    averaged gradients, the optimizer step (through ``scaler`` for fp16), and the
+    gradients set to None.
+
+    Args:
+        clip: the global norm to clip to (0: none, the norm is still measured).
+        mark: called with "forward", "backward", "sync" and "optimizer" as each part ends
+            (a benchmark's marks; the first two once per micro-batch).
+
+    Returns:
+        (this rank's mean loss, the gradient norm before clipping), tensors on the device.
+    """
+    optimizer = parallel.optimizer
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else parallel.no_sync():
+            with autocast_context(precision, device):
+                _, loss = parallel(x, y)
+            if mark is not None:
+                mark("forward")
+            scaled = loss / len(micro_batches)
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            with backward_thread_context(backward_thread):
+                scaled.backward()
+            if mark is not None:
+                mark("backward")
+        loss_sum += loss.detach()
+    parallel.finish()
+    if mark is not None:
+        mark("sync")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = parallel.clip_grad_norm_(clip if clip > 0 else math.inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    if mark is not None:
+        mark("optimizer")
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / len(micro_batches), grad_norm
+
+
 class Trainer:
     """Everything one rank holds for a run; :meth:`run` trains it to ``settings.steps``.
 
@@ -253,7 +312,6 @@ class Trainer:
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward)
-        self.sync = self.parallel.sync
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
         self.optimizer = self.parallel.optimizer
@@ -341,57 +399,25 @@ class Trainer:
                 # (None: nothing learned).
                 "gradient_order": self.parallel.gradient_order,
             }
-        self.report_checkpoint_error(self.checkpointer.wait())
         self.checkpointer.save(self.step, state)
 
     def finish_checkpoints(self) -> None:
-        """Wait for the save in flight (the end of a run); a failed last save fails the
-        run."""
-        error = self.checkpointer.wait()
-        if error is not None:
-            raise RuntimeError(error)
-
-    def report_checkpoint_error(self, error: str | None) -> None:
-        """One line on stderr for a background save that failed; training goes on."""
-        if error is not None:
-            import sys
-
-            print(f"lab2-train: warning: rank {self.ctx.rank}: {error}", file=sys.stderr,
-                  flush=True)
+        """Wait for the save in flight (the end of a run); a failed last save fails it."""
+        self.checkpointer.finish()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (this rank's mean loss, gradient norm before
+        """One optimizer step at the schedule's learning rate on the next global batch
+        (:func:`train_step`); returns (this rank's mean loss, gradient norm before
         clipping) as tensors on the device, so that nothing here waits for the GPU."""
-        s, ctx = self.s, self.ctx
-        lr = self.schedule(self.step)
-        set_lr(self.optimizer, lr)
-        micro_batches = self.batches.next()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with (contextlib.nullcontext() if last else self.parallel.no_sync()):
-                with autocast_context(s.precision, ctx.device):
-                    _, loss = self.parallel(x, y)
-                scaled = loss / s.grad_accum
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                with backward_thread(s.backward_thread):
-                    scaled.backward()
-            loss_sum += loss.detach()
-        self.parallel.finish()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self.parallel.clip_grad_norm_(s.clip if s.clip > 0 else math.inf)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        s = self.s
+        set_lr(self.optimizer, self.schedule(self.step))
+        result = train_step(self.parallel, self.batches.next(), precision=s.precision,
+                            device=self.ctx.device, clip=s.clip, scaler=self.scaler,
+                            backward_thread=s.backward_thread)
         # The GPU has this step's work queued: draw and send the next batch meanwhile.
         self.batches.prefetch()
         self.step += 1
-        return loss_sum / s.grad_accum, grad_norm
+        return result
 
     def run(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
@@ -436,8 +462,11 @@ class Trainer:
                 with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
                     loss, grad_norm = self.train_step()
                 if profiler is not None and profiler.due(self.step):
+                    profiler.wait_for_device()  # the traced steps' own work: training
+                    exporting = time.perf_counter()
                     with clock.phase("other"):
                         profiler.finish()
+                    window_start += time.perf_counter() - exporting  # not a step's time
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
@@ -498,8 +527,10 @@ class Trainer:
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
-            "checkpoint_stall_seconds": sum(self.checkpointer.stalls),
-            "checkpoint_stall_max_seconds": max(self.checkpointer.stalls, default=0.0),
+            # Seconds each save kept training waiting (the copy to CPU memory, and any wait
+            # for the previous save), and the end of the run for the last one.
+            "checkpoint_stalls": self.checkpointer.stalls,
+            "checkpoint_final_wait_s": self.checkpointer.final_wait,
         }
         # A collective with zero3 and fsdp (the whole model is gathered onto rank 0).
         with clock.phase("sampling"):
