@@ -31,6 +31,7 @@ state, after a hand-over each way. The trainer therefore runs backward on the ca
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -266,6 +267,15 @@ def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch
     return loss_sum / len(micro_batches), grad_norm
 
 
+def _with_active_clock(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.run`` with its wall clock the one :func:`checkpoint_stall` counts on."""
+    @functools.wraps(run)
+    def with_clock(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.active():
+            return run(self, *args, **kwargs)
+    return with_clock
+
+
 class Trainer:
     """Everything one rank holds for a run; :meth:`run` trains it to ``settings.steps``.
 
@@ -360,22 +370,10 @@ class Trainer:
         background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing gathered."""
         self.checkpointer.save(self.step, trainer_state(self) if self.ctx.is_main else None)
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step at the schedule's learning rate on the next global batch
-        (:func:`train_step`); returns (this rank's mean loss, gradient norm before
-        clipping) as tensors on the device, so that nothing here waits for the GPU."""
-        s = self.s
-        set_lr(self.optimizer, self.schedule(self.step))
-        result = train_step(self.parallel, self.batches.next(), precision=s.precision,
-                            device=self.ctx.device, clip=s.clip, scaler=self.scaler,
-                            backward_thread=s.backward_thread)
-        # The GPU has this step's work queued: draw and send the next batch meanwhile.
-        self.batches.prefetch()
-        self.step += 1
-        return result
-
+    @_with_active_clock
     def run(self, stop_at: int | None = None) -> dict[str, Any]:
-        """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
+        """Train to ``settings.steps``, one :func:`train_step` a step; on rank 0 also
+        report, plot, sample and summarise.
 
         Args:
             stop_at: stop early after this step, with a checkpoint, as if interrupted there
@@ -384,10 +382,6 @@ class Trainer:
         Returns:
             The summary (on every rank; file paths and figures are rank 0's).
         """
-        with self.clock.active():
-            return self._run(stop_at)
-
-    def _run(self, stop_at: int | None) -> dict[str, Any]:
         s, ctx, clock = self.s, self.ctx, self.clock
         out = Path(s.out)
         reporter = None
@@ -415,7 +409,14 @@ class Trainer:
         try:
             while self.step < end:
                 with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
-                    loss, grad_norm = self.train_step()
+                    set_lr(self.optimizer, self.schedule(self.step))
+                    loss, grad_norm = train_step(
+                        self.parallel, self.batches.next(), precision=s.precision,
+                        device=ctx.device, clip=s.clip, scaler=self.scaler,
+                        backward_thread=s.backward_thread)
+                    # The GPU has this step's work queued: draw and send the next batch.
+                    self.batches.prefetch()
+                    self.step += 1
                 if profiler is not None and profiler.due(self.step):
                     profiler.wait_for_device()  # the traced steps' own work: training
                     exporting = time.perf_counter()
