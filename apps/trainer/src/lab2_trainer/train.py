@@ -485,7 +485,7 @@ class Trainer:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
                 if evaluate_now:
-                    with clock.phase("evaluation"):
+                    with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
                                             ctx, s.precision)
                     records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
@@ -499,7 +499,7 @@ class Trainer:
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
-                with clock.phase("evaluation"):
+                with clock.phase("evaluation", carve_compilation=True):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
             # The end of the run waits for the save in flight: a stall too.
