@@ -102,7 +102,7 @@ class Checkpointer:
         parts = []
         # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
         holders = state_holders(self.model, self.optimizer, self.sharding)
-        for part in model_parts(self.model, self.sharding) + state_parts(holders):
+        for part in model_parts(self.model, self.sharding, self.optimizer) + state_parts(holders):
             mine = part.to_write(self.rank, self.world_size)
             if mine is not None:
                 parts.append(mine)
@@ -126,7 +126,7 @@ class Checkpointer:
     def _make_buffers(self) -> None:
         """Pinned buffers for what :meth:`save` will copy, AdamW's state included before
         it exists (its moments take their parameter's range and dtype)."""
-        expected = model_parts(self.model, self.sharding)
+        expected = model_parts(self.model, self.sharding, self.optimizer)
         for h in state_holders(self.model, self.optimizer, self.sharding):
             local = h.flat(h.tensor)
             for what in MOMENTS:

@@ -31,6 +31,7 @@ state, after a hand-over each way. The trainer therefore runs backward on the ca
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -43,13 +44,10 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.checkpoint import (
-    FORMAT,
-    VERSION,
     load_checkpoint,
-    rng_state,
     set_rng_state,
 )
-from lab2_trainer.checkpoint_folders import load_trainer_state
+from lab2_trainer.checkpoint_folders import load_trainer_state, trainer_state
 from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
 from lab2_trainer.checkpoint_writer import Checkpointer
 from lab2_trainer.config import (
@@ -84,6 +82,7 @@ from lab2_trainer.report import (
 )
 from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.shapes import training_flops_per_token
+from lab2_trainer.sharded_checkpoint import load_folder
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
@@ -268,6 +267,15 @@ def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch
     return loss_sum / len(micro_batches), grad_norm
 
 
+def _with_active_clock(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.run`` with its wall clock the one :func:`checkpoint_stall` counts on."""
+    @functools.wraps(run)
+    def with_clock(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.active():
+            return run(self, *args, **kwargs)
+    return with_clock
+
+
 class Trainer:
     """Everything one rank holds for a run; :meth:`run` trains it to ``settings.steps``.
 
@@ -285,7 +293,7 @@ class Trainer:
         check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
         self.corpus = load_corpus(s.data, s.vocab_size)
         # A single-file checkpoint is loaded whole here; a sharded one (a step folder) by
-        # every rank into its own part once the model is set up (load_shards).
+        # every rank into its own part once the model is set up (load_folder).
         resume = resolve_checkpoint(s.resume) if s.resume else None
         sharded = resume is not None and resume.is_dir()
         ckpt = None
@@ -326,7 +334,7 @@ class Trainer:
         if sharded:
             # The bucket order first (zero1 rebuilds its buckets), then each rank's part.
             self.set_gradient_order(ckpt.get("gradient_order"))
-            self.load_shards(resume)
+            load_folder(resume, self.model, self.optimizer, s.sharding)
         if ckpt is not None:
             self._restore(ckpt)
         # Every rank, here (it makes the writer's process group).
@@ -337,21 +345,6 @@ class Trainer:
         self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
                                   ctx.device)
         self.peak = device_peak(ctx.device)
-
-    def load_shards(self, folder: Path) -> None:
-        """Read this rank's part of the model and of AdamW's state from a sharded
-        checkpoint (every rank; collectives). The launcher checked it whole first
-        (manifest, checksums, shapes, finite values)."""
-        from torch.distributed.checkpoint import FileSystemReader
-
-        from lab2_trainer.checkpoint_folders import saved_tensors
-        from lab2_trainer.sharded_checkpoint import load_into
-
-        try:
-            load_into(self.model, self.optimizer, self.s.sharding,
-                      FileSystemReader(str(folder)), set(saved_tensors(folder)))
-        except ValueError as exc:
-            raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
 
     def set_gradient_order(self, order: list[int] | None) -> None:
         try:
@@ -373,54 +366,14 @@ class Trainer:
         self.step = int(ckpt["step"])
 
     def save_checkpoint(self) -> None:
-        """Save a sharded checkpoint of this step: every rank writes its own part, in the
-        background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing is
-        gathered. The stall is recorded in ``checkpointer.stalls``."""
-        from zero1.checkpoint import pack_param_groups
+        """Save a sharded checkpoint of this step: every rank its own part, in the
+        background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing gathered."""
+        self.checkpointer.save(self.step, trainer_state(self) if self.ctx.is_main else None)
 
-        state = None
-        if self.ctx.is_main:
-            state = {
-                "format": FORMAT,
-                "version": VERSION,
-                "sharded": True,
-                "model_config": self.s.model.to_dict(),
-                "optimizer_groups": pack_param_groups(self.optimizer.param_groups),
-                "schedule": self.schedule.state_dict(),
-                "step": self.step,
-                "settings": self.s.to_dict(),
-                "sampler": self.batches.state_dict(),
-                "data": self.corpus.identity(),
-                "rng": rng_state(self.ctx.device),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "world_size": self.ctx.world_size,
-                # The learned bucket order (minddp's, or zero1's): a resumed run at this
-                # world size then sums every gradient in the same order, bit for bit
-                # (None: nothing learned).
-                "gradient_order": self.parallel.gradient_order,
-            }
-        self.checkpointer.save(self.step, state)
-
-    def finish_checkpoints(self) -> None:
-        """Wait for the save in flight (the end of a run); a failed last save fails it."""
-        self.checkpointer.finish()
-
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step at the schedule's learning rate on the next global batch
-        (:func:`train_step`); returns (this rank's mean loss, gradient norm before
-        clipping) as tensors on the device, so that nothing here waits for the GPU."""
-        s = self.s
-        set_lr(self.optimizer, self.schedule(self.step))
-        result = train_step(self.parallel, self.batches.next(), precision=s.precision,
-                            device=self.ctx.device, clip=s.clip, scaler=self.scaler,
-                            backward_thread=s.backward_thread)
-        # The GPU has this step's work queued: draw and send the next batch meanwhile.
-        self.batches.prefetch()
-        self.step += 1
-        return result
-
+    @_with_active_clock
     def run(self, stop_at: int | None = None) -> dict[str, Any]:
-        """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
+        """Train to ``settings.steps``, one :func:`train_step` a step; on rank 0 also
+        report, plot, sample and summarise.
 
         Args:
             stop_at: stop early after this step, with a checkpoint, as if interrupted there
@@ -429,10 +382,6 @@ class Trainer:
         Returns:
             The summary (on every rank; file paths and figures are rank 0's).
         """
-        with self.clock.active():
-            return self._run(stop_at)
-
-    def _run(self, stop_at: int | None) -> dict[str, Any]:
         s, ctx, clock = self.s, self.ctx, self.clock
         out = Path(s.out)
         reporter = None
@@ -460,7 +409,14 @@ class Trainer:
         try:
             while self.step < end:
                 with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
-                    loss, grad_norm = self.train_step()
+                    set_lr(self.optimizer, self.schedule(self.step))
+                    loss, grad_norm = train_step(
+                        self.parallel, self.batches.next(), precision=s.precision,
+                        device=ctx.device, clip=s.clip, scaler=self.scaler,
+                        backward_thread=s.backward_thread)
+                    # The GPU has this step's work queued: draw and send the next batch.
+                    self.batches.prefetch()
+                    self.step += 1
                 if profiler is not None and profiler.due(self.step):
                     profiler.wait_for_device()  # the traced steps' own work: training
                     exporting = time.perf_counter()
@@ -504,7 +460,7 @@ class Trainer:
                                         s.precision)
             # The end of the run waits for the save in flight: a stall too.
             with checkpoint_stall():
-                self.finish_checkpoints()
+                self.checkpointer.finish()  # a failed last save fails the run
         finally:
             clock.switch("other")
             if profiler is not None:  # the steps traced so far, when the run ends early
