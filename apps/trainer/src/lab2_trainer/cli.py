@@ -104,11 +104,10 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     train: dict[str, Any] = {}
     model: dict[str, Any] = {}
     if args.config is not None:
-        source = f"--config {args.config}"
-        try:
-            text = Path(args.config).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{source}: cannot read it ({exc})") from None
+        from lab2_trainer.validate_inputs import read_bounded_text, shown
+
+        source = f"--config {shown(args.config)}"
+        text = read_bounded_text(args.config, "--config")  # never a FIFO or /dev/zero
         try:
             train, model = from_toml(text, source)
         except ValueError as exc:
@@ -162,8 +161,10 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     from lab2_trainer.validate_inputs import (
         check_checkpoint_fits,
         check_compile,
+        check_input_path,
         check_memory,
         check_out_path,
+        check_path_length,
     )
 
     explicit, model_overrides = dict(given[0]), dict(given[1])
@@ -171,8 +172,14 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     out = explicit.pop("out", None)
     resume = explicit.pop("resume", None)
     ckpt = None
+    if out == "":
+        raise UsageError("--out is empty: name a folder (or leave --out out for "
+                         "runs/<preset>-<time>)")
+    if out is not None:
+        check_path_length(out, "--out")
     if resume is not None:
         if resume:
+            check_input_path(resume, "--resume", missing="checkpoint not found")
             path = resolve_checkpoint_path(resume)
         elif out:
             path = resolve_checkpoint_path(out)
@@ -326,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
     previous = launch.install_termination_handler()
-    claim = None
+    claim = settings = None
     try:
         try:
             given = given_settings(args)
@@ -348,17 +355,31 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1:
             if device_type == "cpu":
                 _preload(settings)
-            return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
+            return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s,
+                                      stop_note=lambda: checkpoint_note(settings))
         return _run_single(settings, device_type, timeout_s)
     except KeyboardInterrupt as exc:
         code = launch.exit_code_for(exc)
-        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; the last "
-              "checkpoint is intact", file=sys.stderr, flush=True)
+        note = checkpoint_note(settings) if settings is not None else "nothing was written"
+        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; {note}",
+              file=sys.stderr, flush=True)
         return code
     finally:
         if claim is not None:
             claim.release()
         launch.restore_termination_handler(previous)
+
+
+def checkpoint_note(settings) -> str:
+    """What a stopped run says of its checkpoints: the last one is intact, or none was
+    written (and the one resumed from, if any, is untouched)."""
+    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+
+    if (Path(settings.out) / CHECKPOINT_NAME).exists():
+        return "the last checkpoint is intact"
+    if settings.resume:
+        return f"no checkpoint was written yet; {settings.resume} is untouched"
+    return "no checkpoint was written yet"
 
 
 def _claim_out(settings):

@@ -195,9 +195,14 @@ def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpu
         if vocab_size not in (None, 256):
             raise DataError(f"the default byte corpus has vocabulary 256, not {vocab_size}")
         return load_stdlib_corpus()
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data path does not exist: {p}")
+    from lab2_trainer.validate_inputs import check_input_path
+
+    if str(path) == "":
+        raise DataError("--data is empty: name a file or a folder (or leave --data out for "
+                        "the standard library's sources)")
+    # A regular file or a folder, never a FIFO or a device (/dev/zero): one would block
+    # the read below, the other never end it.
+    p = check_input_path(path, "--data", missing="the data path does not exist")
     arrays = {}
     if p.is_dir():
         for split in ("train", "val"):

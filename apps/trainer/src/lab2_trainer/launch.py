@@ -247,7 +247,8 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+                timeout_s: float = DEFAULT_TIMEOUT_S,
+                stop_note: Callable[[], str] | None = None) -> int:
     """Run ``fn(ctx, *args)`` on ``nproc`` local ranks through torch.distributed's elastic
     agent (one node, c10d rendezvous on localhost, no restarts); return the first failing
     exit code (0 when all succeed).
@@ -265,6 +266,8 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
         fn: module-level function taking a :class:`DistContext` first.
         timeout_s: the process group's collective timeout, and how long a rank may
             go without a heartbeat.
+        stop_note: what to say of the checkpoints when the run is stopped by a signal
+            (asked once the ranks are stopped).
     """
     import logging
 
@@ -309,7 +312,8 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
             code = exit_code_for(exc)
             sig = signal.SIGTERM if code == 143 else signal.SIGINT
         word = "interrupted" if sig == signal.SIGINT else f"stopped by {signal_name(sig)}"
-        _say(f"{word}: stopping the ranks; the last checkpoint is intact")
+        _say(f"{word}: stopping the ranks; "
+             f"{stop_note() if stop_note else 'the last checkpoint is intact'}")
         return code
     finally:
         watch.stop()

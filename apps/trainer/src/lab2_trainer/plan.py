@@ -61,7 +61,6 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import (
@@ -75,9 +74,10 @@ from lab2_trainer.config import (
     SELF_REDUCING,
     SHARDING_KINDS,
     ModelConfig,
+    UsageError,
     model_config,
 )
-from lab2_trainer.validate_inputs import training_state_parts
+from lab2_trainer.validate_inputs import shown, training_state_parts
 
 GIB = 1024**3
 #: Bytes per element of each precision's autocast dtype (fp32: no autocast).
@@ -461,7 +461,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         exposed += comm["exposed"]
     step = compute + exposed
     tokens = p.batch_size * c.context_length
-    tokens_per_s = tokens / step
+    tokens_per_s = tokens / step if step > 0 else math.inf  # a step too fast for a float
     return {
         "compute_s": compute, "forward_s": forward, "backward_s": backward,
         "communication": comms,
@@ -470,7 +470,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         "tokens_per_s_per_gpu": tokens_per_s / N,
         "mfu": tokens_per_s * model_flops / (peak * N),
         "hfu": tokens_per_s * hardware_flops / (peak * N),
-        "scaling_efficiency": compute / step,
+        "scaling_efficiency": compute / step if step > 0 else math.nan,
         "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
         "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
     }
@@ -754,32 +754,64 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
         console.print(f"  - {line}")
 
 
+def strict_json(result: dict[str, Any]) -> str:
+    """``result`` as strict JSON: a figure that is not finite (a prediction past what a
+    float holds, from extreme hardware flags) is null, and ``non_finite`` lists where."""
+    nulls: list[str] = []
+
+    def clean(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            nulls.append(where)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    out = clean(result, "")
+    if nulls:
+        out["non_finite"] = nulls
+        out.setdefault("assumptions", []).append(
+            "null stands for a figure past what a float holds (infinite or undefined), from "
+            "extreme inputs: see non_finite")
+    return json.dumps(out, indent=2, allow_nan=False)
+
+
+def _refuse(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"lab2-train plan: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train plan``; returns the exit code."""
+    from lab2_trainer.validate_inputs import check_output_file
+
     args = build_parser().parse_args(argv)
     try:
         if args.plot is not None:
-            folder = Path(args.plot).expanduser().resolve().parent
-            if not folder.is_dir():
-                raise ValueError(f"--plot {args.plot}: {folder} is not a folder")
+            check_output_file(args.plot, "--plot")
         p = plan_input(args)
         result = plan(p)
         rows = compare_rows(p) if args.compare else None
         scaling = scaling_rows(p) if args.plot else None
-    except ValueError as exc:
-        print(f"lab2-train plan: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+    except (ValueError, UsageError) as exc:
+        return _refuse(str(exc))
     if rows is not None:
         result["compare"] = rows
     if scaling is not None:
         result["scaling"] = scaling
         m = result["model"]
-        draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, {m['n_layers']} "
-             f"layers, {result['micro_batch']} x {m['context_length']} tokens per GPU, "
-             f"{result['precision']}, checkpointing {result['activation_checkpointing']}",
-             result["gpu_memory_gib"])
+        try:
+            draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, "
+                 f"{m['n_layers']} layers, {result['micro_batch']} x {m['context_length']} "
+                 f"tokens per GPU, {result['precision']}, checkpointing "
+                 f"{result['activation_checkpointing']}", result["gpu_memory_gib"])
+        except OSError as exc:  # a read-only file system, a full disk, a swap meanwhile
+            return _refuse(f"--plot {shown(args.plot)}: cannot write it "
+                           f"({exc.strerror or exc}; nothing was written)", code=1)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json(result))
     else:
         render(result, rows)
     return 0

@@ -24,12 +24,17 @@ metrics, settings, plots and token caches are written to a temporary file in the
 folder, flushed to disk and renamed onto the target. The temporary file is named
 ``.<name>.<pid>.tmp`` (``.<name>.<random>.<pid>.tmp`` when that name is taken), so that
 what an interrupted write left can be told by the pid of its writer
-(:func:`clean_stale_temporaries` removes such files).
+(:func:`clean_stale_temporaries` removes such files); for a name near the system's limit
+the name's start and a hash of it stand for it, so that the temporary name fits wherever
+the target's does. Only an absent target or a regular file is replaced: a folder, a
+device, a FIFO or a socket in its place is refused (:class:`NotARegularFile`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import re
@@ -344,16 +349,61 @@ def _sync_folder(folder: Path) -> None:
     os.close(fd)
 
 
+class NotARegularFile(OSError):
+    """An atomic write's target is a folder, a device, a FIFO or a socket: never replaced."""
+
+
+#: The longest file name (bytes) most file systems take.
+NAME_MAX = 255
+
+
+def _check_target(target: Path) -> None:
+    """``target`` is absent or a regular file (a link is followed to see what it names).
+
+    Raises:
+        NotARegularFile: it is something else.
+    """
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise NotARegularFile(_errno_for(mode), f"{target} is not a regular file; it is never "
+                              "replaced")
+
+
+def _errno_for(mode: int) -> int:
+    """EISDIR for a folder, else EEXIST: how a refused target reads as an ``OSError``."""
+    return errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST
+
+
+def temp_name(name: str, middle: str) -> str:
+    """``.<name>.<middle>.tmp``, kept within :data:`NAME_MAX` bytes: a long ``name`` is cut
+    and a hash of the whole name put after the cut."""
+    full = f".{name}.{middle}.tmp"
+    if len(os.fsencode(full)) <= NAME_MAX:
+        return full
+    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
+    room = NAME_MAX - len(os.fsencode(f"..{digest}.{middle}.tmp"))
+    stem = os.fsencode(name)[:room].decode("utf-8", errors="ignore")
+    return f".{stem}{digest}.{middle}.tmp"
+
+
 def temp_file_beside(target: str | os.PathLike[str]) -> str:
     """Create an empty temporary file in ``target``'s folder (with the permissions a plain
     ``open()`` gives) and return its path, for writers that take a path; rename it onto
-    ``target`` with ``os.replace`` once written."""
+    ``target`` with ``os.replace`` once written.
+
+    Raises:
+        NotARegularFile: ``target`` is a folder, a device, a FIFO or a socket.
+    """
     target = Path(target)
+    _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
     for attempt in range(100):
         middle = str(pid) if attempt == 0 else f"{secrets.token_hex(4)}.{pid}"
-        tmp = target.parent / f".{target.name}.{middle}.tmp"
+        tmp = target.parent / temp_name(target.name, middle)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileExistsError:
@@ -365,7 +415,11 @@ def temp_file_beside(target: str | os.PathLike[str]) -> str:
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
     """Call ``write(f)`` on a temporary file beside ``path``, then put it in ``path``'s
     place. When ``write`` raises (Ctrl-C included) the temporary file is removed and
-    ``path`` is untouched."""
+    ``path`` is untouched.
+
+    Raises:
+        NotARegularFile: ``path`` is a folder, a device, a FIFO or a socket.
+    """
     target = Path(path)
     tmp = temp_file_beside(target)
     try:
@@ -373,6 +427,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        _check_target(target)  # made a FIFO or a device meanwhile: still not replaced
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
