@@ -61,6 +61,7 @@ from lab2_trainer.data import (
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
     SAMPLE_NAME,
     RunReporter,
@@ -274,7 +275,8 @@ class Trainer:
         checkpoint on rank 0, in the same format whatever the sharding."""
         model_state = self.parallel.full_model_state(self.ctx.rank)
         optimizer_state = self.parallel.full_optimizer_state(self.ctx.rank)
-        if self.ctx.is_main:
+
+        def write() -> None:
             save_atomic({
                 "format": FORMAT,
                 "version": VERSION,
@@ -294,7 +296,9 @@ class Trainer:
                 # as with zero1/zero2, whose buckets follow the parameter order).
                 "gradient_order": self.parallel.gradient_order,
             }, path)
-        self.ctx.barrier()
+
+        # Rank 0 writes alone: the others wait without --timeout bounding the write.
+        rank0_alone(self.ctx, "writing the checkpoint", write, self.s.timeout)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (this rank's mean loss, gradient norm before
@@ -411,6 +415,16 @@ class Trainer:
         }
         # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
         sample_model = self.sampling_model() if s.sample_tokens else None
+        # Rank 0's work alone: the others wait without --timeout bounding a long sample.
+        rank0_alone(ctx, "at the end of the run (plot, sample, summary)",
+                    lambda: self._finish(reporter, summary, entropy, sample_model), s.timeout)
+        return summary
+
+    def _finish(self, reporter: RunReporter | None, summary: dict[str, Any],
+                entropy: float | None, sample_model: TransformerLM | None) -> None:
+        """Rank 0's end of the run: the loss curve, the sample, the summary."""
+        s, out = self.s, Path(self.s.out)
+        ckpt_path = out / CHECKPOINT_NAME
         if reporter is not None:
             summary.update(provenance())
             outputs = {"metrics": str(out / "metrics.jsonl"), "checkpoint": str(ckpt_path)}
@@ -427,8 +441,6 @@ class Trainer:
             outputs["summary"] = str(out / "summary.json")
             summary["outputs"] = outputs
             reporter.summary(summary, outputs)
-        ctx.barrier()
-        return summary
 
     def _fetch_records(self, pending: list[tuple[int, float, torch.Tensor, torch.Tensor]],
                        since: float) -> list[dict[str, Any]]:

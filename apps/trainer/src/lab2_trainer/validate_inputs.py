@@ -144,7 +144,7 @@ def read_bounded_text(path: str | os.PathLike, what: str,
     Raises:
         UsageError: not a regular file, too large, unreadable, or not UTF-8.
     """
-    p = check_input_path(path, what, folder=False)
+    p = check_input_path(path, what, folder=False, missing="cannot read it: it does not exist")
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
