@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import select
@@ -192,6 +193,10 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
         launcher_pid: the local launcher's pid (None: the parent, torchrun's agent).
     """
     rank = int(os.environ.get("RANK", "0"))
+    if not os.environ.get("PYTHONFAULTHANDLER"):
+        # The elastic agent turns on faulthandler's stack dumps in every rank: a rank killed
+        # by a fatal signal (a truncated memory map's SIGBUS) is one line of the launcher's.
+        faulthandler.disable()
     guard = RankGuard(rank, folder, launcher_pid).start()
     signalled = False
     try:
@@ -213,10 +218,12 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
             _say(f"rank {rank} gave up waiting for the other ranks after --timeout "
                  f"{timeout_s:g} s ({reason})")
         elif is_peer_lost_error(exc):
-            # Another rank is gone (the launcher names it and how it ended): this rank's
-            # broken collective is a consequence, not a second story.
+            # Another rank is gone: this rank's broken collective is a consequence, not a
+            # second story. A local launcher names the cause; under torchrun, say it.
             guard.mark(PEER_LOST)
-            _say(f"rank {rank} stopped: another rank closed its connection mid-collective")
+            if folder is None:
+                _say(f"rank {rank} stopped: another rank closed its connection "
+                     "mid-collective")
         else:
             guard.mark(FAILED)
             _say(f"rank {rank} failed:\n{traceback.format_exc()}")
@@ -419,6 +426,23 @@ def is_timeout_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective (or rendezvous) that gave up waiting."""
     text = f"{type(exc).__name__}: {exc}".lower()
     return "timed out" in text or "timeout" in text
+
+
+#: What a fatal signal most often means for a rank, said after its name.
+SIGNAL_HINTS = {
+    signal.SIGBUS: "a bus error: most often a memory-mapped file, such as a --data token "
+                   "array, truncated or removed while the run read it",
+    signal.SIGSEGV: "a segmentation fault in native code",
+}
+
+
+def killed_line(ranks: list[tuple[int, Any]], number: int) -> str:
+    """One line for the ranks (rank, pid) one signal killed, with what it most often means
+    (run with PYTHONFAULTHANDLER=1 for the ranks' stacks)."""
+    names = ", ".join(f"rank {r} (pid {p})" for r, p in ranks)
+    hint = SIGNAL_HINTS.get(number)
+    return (f"{names} {'was' if len(ranks) == 1 else 'were'} killed by {signal_name(number)}"
+            + (f" ({hint})" if hint else ""))
 
 
 def signal_name(number: int) -> str:
@@ -767,16 +791,20 @@ class LaunchWatch:
                     f"{self.timeout_s:g}); stopped or frozen. Ending the run."], 1
         failed = {r: e for r, e in self.ends.items() if e.failed}
         first = min((e.at for e in failed.values()), default=time.monotonic())
-        lines = []
+        lines: list[Any] = []
+        killed: dict[int, list[int]] = {}  # signal: the ranks it killed, one line each
         for rank in sorted(self.ends):
             end = self.ends[rank]
             if end.signal is not None:
-                lines.append(f"rank {rank} (pid {pid(rank)}) was killed by "
-                             f"{signal_name(end.signal)}")
+                if end.signal not in killed:
+                    lines.append(end.signal)  # placeholder, written below
+                killed.setdefault(end.signal, []).append(rank)
             elif end.code in (EXIT_TERMINATED, EXIT_INTERRUPTED) and end.at <= first:
                 # a signal to this rank alone, before anything else failed: it stopped in order
                 lines.append(f"rank {rank} (pid {pid(rank)}) was stopped by "
                              f"{'SIGTERM' if end.code == EXIT_TERMINATED else 'SIGINT'}")
+        lines = [line if isinstance(line, str) else killed_line(
+            [(r, pid(r)) for r in killed[line]], line) for line in lines]
         why = self._why(first)
         if why:
             lines.append(why)
