@@ -330,7 +330,7 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         pytest.skip("the scenario is two ranks")
     import socket
 
-    from lab2_trainer.launch import OWNER_NAME
+    from lab2_trainer.supervise import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

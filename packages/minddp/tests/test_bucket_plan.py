@@ -7,13 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minddp import (
-    BUCKET_RULES,
-    TensorInfo,
-    adopt_gradients,
-    assign_buckets,
-    validate_bucket_size_mb,
-)
+from minddp import BUCKET_RULES, validate_bucket_size_mb
+from minddp._internal import TensorInfo, adopt_gradients, assign_buckets
 
 MIB = 2**20
 

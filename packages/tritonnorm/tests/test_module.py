@@ -59,3 +59,17 @@ def test_compile_fullgraph_cpu():
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     x = torch.randn(2, 3, 8)
     assert rel_err(compiled(x), model(x)) < 1e-6
+
+
+def test_fused_add_module_with_and_without_a_residual_and_out_dtype():
+    from tritonnorm import FusedAddRMSNorm
+
+    m = FusedAddRMSNorm(10)
+    x, r = torch.randn(4, 10), torch.randn(4, 10)
+    y, s = m(x, r)
+    assert torch.equal(s, x + r) and torch.equal(y, RMSNorm(10)(x + r))
+    assert torch.equal(m(x), RMSNorm(10)(x))  # no residual: RMSNorm's forward, y alone
+    half = m(x, out_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, RMSNorm(10)(x).bfloat16())
+    y16, s32 = m(x, r.bfloat16(), out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and s32.dtype == torch.float32

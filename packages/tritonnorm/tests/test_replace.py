@@ -420,3 +420,101 @@ def test_structures_that_compute_something_else_are_left_alone():
         assert replace_rms_norms(model) == 0
     assert not any("_BiasFreeLayerNorm" in str(w.message) for w in record)
     assert type(model[0]) is _BiasFreeLayerNorm and type(model[1]) is _WrongEpsRMSNorm
+
+
+class _GatedRMSNorm(_HFLlamaRMSNorm):
+    """The shape of Hugging Face's gated norms (Mamba 2, Bamba, GraniteMoeHybrid, NemotronH,
+    Zamba2): Llama's formula while the gate is None, so a probe alone would accept it."""
+
+    def forward(self, hidden_states, gate=None):
+        if gate is not None:
+            hidden_states = hidden_states * torch.nn.functional.silu(gate.float()).to(
+                hidden_states.dtype)
+        return super().forward(hidden_states)
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, H)
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x, self.gate_proj(x))
+
+
+GATED = ["MambaRMSNormGated", "BambaRMSNormGated", "GraniteMoeHybridRMSNormGated",
+         "NemotronHRMSNormGated", "Zamba2RMSNormGated"]
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_gated_norms_are_never_swapped(name):
+    gated = type(name, (_GatedRMSNorm,), {})(H)
+    model = nn.Sequential(nn.RMSNorm(H, eps=1e-6), _GatedBlock(gated), _HFLlamaRMSNorm(H))
+    x = torch.randn(3, H)
+    y_ref = model(x)
+    with pytest.warns(UserWarning, match=f"{name}.*takes more than the hidden states"):
+        assert replace_rms_norms(model) == 2
+    assert model[1].norm is gated
+    assert isinstance(model[0], RMSNorm) and isinstance(model[2], RMSNorm)
+    assert rel_err(model(x), y_ref) < TOL[torch.float32]  # the model still runs
+
+
+def test_declared_gated_norm_is_refused_before_anything_changes():
+    declared = type("DeclaredGated", (_GatedRMSNorm,), {"__tritonnorm_compatible__": True})
+    model = nn.Sequential(nn.RMSNorm(H), _GatedBlock(declared(H)))
+    before = list(model.modules())
+    with pytest.raises(ValueError, match="takes more than the hidden states"):
+        replace_rms_norms(model)
+    assert list(model.modules()) == before
+
+
+class _T5LayerNorm(_HFLlamaRMSNorm):
+    """T5's norm: an RMSNorm whose x_hat is rounded to the weight's dtype, not x's."""
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+def test_t5_norm_is_left_alone_with_a_warning():
+    model = nn.Sequential(_T5LayerNorm(H), _BiasFreeLayerNorm(H))
+    with pytest.warns(UserWarning, match="_T5LayerNorm.*RMSNorm in float32") as record:
+        assert replace_rms_norms(model) == 0
+    assert not any("_BiasFreeLayerNorm" in str(w.message) for w in record)
+    assert type(model[0]) is _T5LayerNorm
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is deprecated in new PyTorch
+def test_torchscript_modules_are_left_alone_with_a_warning():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H)))
+    with pytest.warns(UserWarning, match="TorchScript modules \\(the model itself\\)"):
+        assert replace_rms_norms(scripted) == 0
+    model = nn.Sequential(nn.RMSNorm(H), torch.jit.script(nn.Sequential(nn.RMSNorm(H))))
+    with pytest.warns(UserWarning, match="TorchScript modules \\(1\\) cannot be changed"):
+        assert replace_rms_norms(model) == 1
+    assert isinstance(model[0], RMSNorm)
+
+
+class _Picky(nn.Module):
+    """A parent that refuses to hold tritonnorm's module."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, RMSNorm):
+            raise RuntimeError("no tritonnorm here")
+        super().__setattr__(name, value)
+
+
+def test_a_failed_swap_is_undone_whole():
+    model = nn.Sequential(nn.RMSNorm(H), _Picky())
+    first = model[0]
+    with pytest.raises(RuntimeError, match="no tritonnorm here"):
+        replace_rms_norms(model)
+    assert model[0] is first and type(model[1].norm) is nn.RMSNorm

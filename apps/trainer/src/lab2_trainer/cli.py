@@ -52,6 +52,24 @@ def _default_text(cls: type, f) -> str:
     return str(f.default)
 
 
+def add_setting_flag(group: Any, cls: type, f: Any) -> None:
+    """Add the flag of setting field ``f`` of ``cls`` to ``group`` (a parser or a group):
+    its type, choices and doc, and a None default, so that a given value can be told
+    apart from the field's default."""
+    meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
+    kind = str(f.type).split(" |")[0]
+    kw: dict[str, Any] = {"dest": f.name, "default": None}
+    if kind == "bool":
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = {"int": int, "float": float}.get(kind, str)
+    if meta.get("choices"):
+        kw["choices"] = list(meta["choices"])
+    kw.update({k: meta[k] for k in ("metavar", "nargs", "const") if k in meta})
+    text = f"{doc} (default {_default_text(cls, f)})"
+    group.add_argument(flag(f.name), help=text.replace("%", "%%"), **kw)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, except that a bad command line is one line naming the flag (a
     :class:`UsageError`), not the usage text: ``--help`` prints that."""
@@ -77,18 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups["model"].add_argument("--preset", choices=list(PRESETS),
                                  help="size preset (default tiny)")
     for cls, f in setting_fields():
-        meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
-        kind = str(f.type).split(" |")[0]
-        kw: dict[str, Any] = {"dest": f.name, "default": None}
-        if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = {"int": int, "float": float}.get(kind, str)
-        if meta.get("choices"):
-            kw["choices"] = list(meta["choices"])
-        kw.update({k: meta[k] for k in ("metavar", "nargs", "const") if k in meta})
-        text = f"{doc} (default {_default_text(cls, f)})"
-        groups[meta["group"]].add_argument(flag(f.name), help=text.replace("%", "%%"), **kw)
+        add_setting_flag(groups[f.metadata["group"]], cls, f)
     return p
 
 
@@ -318,9 +325,12 @@ def _error(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train``; returns the exit code."""
+    from lab2_trainer.wall_clock import mark_launch
+
+    mark_launch()  # the run's start-up is counted from here
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        from lab2_trainer.plan import main as plan_main
+        from lab2_trainer.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
     try:
@@ -328,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
-    from lab2_trainer import launch
+    from lab2_trainer import launch, supervise
     from lab2_trainer.train import train
 
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
-    previous = launch.install_termination_handler()
+    previous = supervise.install_termination_handler()
     claim = settings = None
     try:
         try:
@@ -359,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                       stop_note=lambda: checkpoint_note(settings))
         return _run_single(settings, device_type, timeout_s)
     except KeyboardInterrupt as exc:
-        code = launch.exit_code_for(exc)
+        code = supervise.exit_code_for(exc)
         note = checkpoint_note(settings) if settings is not None else "nothing was written"
         print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; {note}",
               file=sys.stderr, flush=True)
@@ -367,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if claim is not None:
             claim.release()
-        launch.restore_termination_handler(previous)
+        supervise.restore_termination_handler(previous)
 
 
 def checkpoint_note(settings) -> str:

@@ -259,6 +259,21 @@ DEVICE_TYPES = ("cpu", "cuda")
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
 
 
+def default_layout(world_size: int, sharding: str | None, ddp: str | None
+                   ) -> tuple[str, str]:
+    """(sharding, ddp) with the defaults filled for ``world_size`` ranks: zero1 with more
+    than one rank (zero1-allreduce when a DDP wrapper is given), else none; the bucketed
+    wrapper where the sharding takes one and there is more than one rank, else none."""
+    if sharding is None:
+        if world_size == 1:
+            sharding = "none"
+        else:  # --ddp X alone keeps the DDP-wrapper pairing
+            sharding = "zero1-allreduce" if ddp not in (None, "none") else "zero1"
+    if ddp is None:
+        ddp = "bucketed" if world_size > 1 and sharding not in SELF_REDUCING else "none"
+    return sharding, ddp
+
+
 def flag(name: str) -> str:
     """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
@@ -391,15 +406,7 @@ class TrainSettings:
         if world_size is None:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
         self.nproc = world_size
-        if self.sharding is None:
-            if world_size == 1:
-                self.sharding = "none"
-            else:  # --ddp X alone keeps the DDP-wrapper pairing
-                self.sharding = ("zero1-allreduce" if self.ddp not in (None, "none")
-                                 else "zero1")
-        if self.ddp is None:
-            self.ddp = ("bucketed" if world_size > 1 and self.sharding not in SELF_REDUCING
-                        else "none")
+        self.sharding, self.ddp = default_layout(world_size, self.sharding, self.ddp)
         return self
 
     def check(self) -> None:

@@ -54,6 +54,7 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, ModelConfig
+from tritonnorm.nn import FusedAddRMSNorm
 
 
 class ReferenceRMSNorm(nn.Module):
@@ -85,17 +86,14 @@ def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
     """Build the norm layer named by ``kind``.
 
     Args:
-        kind: "tritonnorm" (fused Triton RMSNorm; plain PyTorch off CUDA), "reference"
+        kind: "tritonnorm" (``tritonnorm.nn.FusedAddRMSNorm``: Triton kernels on CUDA,
+            plain PyTorch elsewhere), "reference"
             (:class:`ReferenceRMSNorm`), "torch" (``torch.nn.RMSNorm``) or "layernorm".
         dim: normalised size.
         eps: epsilon.
     """
     if kind == "tritonnorm":
-        # Imported here so that the model module loads even where tritonnorm is absent
-        # and another norm is asked for.
-        from tritonnorm import RMSNorm
-
-        return RMSNorm(dim, eps=eps)
+        return FusedAddRMSNorm(dim, eps=eps)
     if kind == "reference":
         return ReferenceRMSNorm(dim, eps=eps)
     if kind == "torch":
@@ -110,30 +108,22 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, branch: torch.Tensor | None
     """``(norm(x + branch), x + branch)``: the residual add that ends one sub-layer and the
     norm that starts the next.
 
-    With tritonnorm both run in one Triton kernel each way (``fused_add_rms_norm``), which
+    With tritonnorm's ``FusedAddRMSNorm`` both run in one Triton kernel each way, which
     saves a read and a write of the residual stream per norm. The stream ``x`` keeps its
     dtype (float32 under autocast) when the branch output is half precision. ``branch``
     None (the first block) is a plain norm.
     """
-    if _is_tritonnorm(norm):
+    if isinstance(norm, FusedAddRMSNorm):
         # Under autocast the next layer casts the norm's output to the autocast dtype
         # anyway: tritonnorm writes it in that dtype directly (no cast kernel, no extra
         # pass over y forward or backward).
         out_dtype = _autocast_dtype(x)
         if branch is None:
-            from tritonnorm import rms_norm
-
-            return rms_norm(x, norm.weight, norm.eps, out_dtype=out_dtype), x
-        from tritonnorm import fused_add_rms_norm
-
-        return fused_add_rms_norm(x, branch, norm.weight, norm.eps, out_dtype=out_dtype)
+            return norm(x, out_dtype=out_dtype), x
+        return norm(x, branch, out_dtype=out_dtype)
     if branch is not None:
         x = x + branch
     return norm(x), x
-
-
-def _is_tritonnorm(norm: nn.Module) -> bool:
-    return type(norm).__module__.startswith("tritonnorm.")
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -1,8 +1,6 @@
-"""Predict a run's peak memory per GPU and its step time, before running it, and
-``lab2-train plan``, which prints the prediction (no GPU needed).
-
-:func:`plan` computes; :func:`main` is ``lab2-train plan``. Everything is arithmetic on the
-model's shape; no torch is imported.
+"""Predict a run's peak memory per GPU and its step time, before running it (no GPU
+needed): :func:`plan`. ``lab2-train plan`` (:mod:`lab2_trainer.plan_cli`) prints it.
+Everything is arithmetic on the model's shape; no torch is imported.
 
 Memory, per GPU, item by item (:func:`memory_items`):
 
@@ -36,7 +34,7 @@ produces the gradients, so the larger of the two counts. Where the gradients per
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
 :func:`lab2_trainer.report.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
 recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
-(53%: xl, 32 x 512, compiled, on an H200); and the communication of the sharding kind,
+(:attr:`Hardware.efficiency`); and the communication of the sharding kind,
 from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
 reduce-scatter and all-gather (N-1)/N), at NVLink's bandwidth within a node and
 InfiniBand's between nodes. The collectives that run during backward (gradient
@@ -44,40 +42,26 @@ reductions, FSDP's backward gathers) hide behind the backward's compute except t
 bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
 block's. The exposed part is reported.
-
-``lab2-train plan``'s flags that say what to run are ``lab2-train``'s (``--preset``, the
-model fields, ``--batch-size``, ``--grad-accum``, ``--precision``, ``--sharding``,
-``--activation-checkpointing``, ``--compile``, ``--bucket-mb``), with the same defaults, so
-a run's flags plan that run; ``--gpus-per-node`` x ``--nodes`` is the world, and the
-machine's figures have flags of their own. Bad input costs one line on stderr and exit
-code 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
     DDP_KINDS,
-    EXIT_BAD_INPUT,
-    FFN_KINDS,
-    NORM_KINDS,
     PRECISIONS,
-    PRESETS,
     SELF_REDUCING,
     SHARDING_KINDS,
     ModelConfig,
-    UsageError,
-    model_config,
+    default_layout,
+    setting,
 )
-from lab2_trainer.validate_inputs import shown, training_state_parts
+from lab2_trainer.validate_inputs import training_state_parts
 
 GIB = 1024**3
 #: Bytes per element of each precision's autocast dtype (fp32: no autocast).
@@ -86,34 +70,32 @@ ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class Hardware:
-    """The machine a plan is for; every default is documented in the README's planner
-    section.
+    """The machine a plan is for. Each field is a flag of ``lab2-train plan``; the
+    defaults are an H200 node's, documented in the README's planner section."""
 
-    Attributes:
-        gpu_memory_gib: usable memory per GPU (H200: 141 GB, 139 GiB usable).
-        peak_tflops: dense bf16 peak per GPU (H200: 989).
-        efficiency: fraction of the peak the hardware FLOPs run at (53%: our measured
-            xl, 32 x 512, compiled, one H200).
-        nvlink_gbs: usable bandwidth per GPU per direction within a node, GB/s.
-        ib_gbits: InfiniBand per GPU between nodes, Gb/s.
-        latency_intra_us, latency_inter_us: alpha, the fixed cost of one collective.
-        overlap: fraction of the backward's compute time that collectives can hide behind.
-        workspace_gib: fixed workspace (cuBLAS, attention, NCCL) counted in the peak.
-        fragmentation: the caching allocator's reserve beyond what is allocated.
-        context_gib: the CUDA context, outside the allocator, for the fit.
-    """
-
-    gpu_memory_gib: float = 139.0
-    peak_tflops: float = 989.0
-    efficiency: float = 0.53
-    nvlink_gbs: float = 450.0
-    ib_gbits: float = 400.0
-    latency_intra_us: float = 10.0
-    latency_inter_us: float = 20.0
-    overlap: float = 1.0
-    workspace_gib: float = 0.25
-    fragmentation: float = 0.05
-    context_gib: float = 0.6
+    gpu_memory_gib: float = setting(139.0, group="machine")
+    """Usable memory per GPU, GiB (an H200's 141 GB)."""
+    peak_tflops: float = setting(989.0, group="machine")
+    """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
+    efficiency: float = setting(0.53, group="machine")
+    """Fraction of the peak the hardware FLOPs reach (measured on one H200: the README's
+    planner section)."""
+    nvlink_gbs: float = setting(450.0, group="machine")
+    """Bandwidth per GPU and direction within a node, GB/s."""
+    ib_gbits: float = setting(400.0, group="machine")
+    """InfiniBand per GPU between nodes, Gb/s."""
+    latency_intra_us: float = setting(10.0, group="machine")
+    """Fixed cost of one collective within a node, us."""
+    latency_inter_us: float = setting(20.0, group="machine")
+    """Fixed cost of one collective between nodes, us."""
+    overlap: float = setting(1.0, group="machine")
+    """Fraction of the backward that gradient collectives can hide behind."""
+    workspace_gib: float = setting(0.25, group="machine")
+    """Fixed workspace in the peak (cuBLAS, attention, NCCL), GiB."""
+    fragmentation: float = setting(0.05, group="machine")
+    """Allocator reserve beyond the peak, fraction."""
+    context_gib: float = setting(0.6, group="machine")
+    """CUDA context outside the allocator, GiB."""
 
 
 @dataclass
@@ -170,14 +152,10 @@ class PlanInput:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got "
                              f"{self.precision!r}")
-        if self.sharding is None:
-            self.sharding = "zero1" if self.world_size > 1 else "none"
+        self.sharding, self.ddp = default_layout(self.world_size, self.sharding, self.ddp)
         if self.sharding not in SHARDING_KINDS:
             raise ValueError(f"--sharding must be one of {', '.join(SHARDING_KINDS)}; got "
                              f"{self.sharding!r}")
-        if self.ddp is None:
-            self.ddp = ("bucketed" if self.world_size > 1 and self.sharding not in SELF_REDUCING
-                        else "none")
         if self.ddp not in DDP_KINDS:
             raise ValueError(f"--ddp must be one of {', '.join(DDP_KINDS)}; got {self.ddp!r}")
         if self.sharding in SELF_REDUCING and self.ddp != "none":
@@ -520,298 +498,3 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "assumptions": assumptions(p),
     }
 
-
-# --------------------------------------------------------------------- lab2-train plan
-#: GPU counts of ``--plot``, and the GPUs a node beyond the first.
-SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-GPUS_PER_NODE = 8
-MODEL_FIELDS = {"d_model": int, "n_layers": int, "n_heads": int, "d_ff": int,
-                "vocab_size": int, "context_length": int}
-#: Hardware flags: (field, help).
-HARDWARE_FLAGS = {
-    "gpu_memory_gib": "usable memory per GPU, GiB (default 139: an H200's 141 GB)",
-    "peak_tflops": "dense bf16 peak per GPU, TFLOP/s (default 989: H100/H200 SXM)",
-    "efficiency": "fraction of the peak the hardware FLOPs reach (default 0.53: measured, "
-                  "xl 32 x 512 compiled on one H200)",
-    "nvlink_gbs": "bandwidth per GPU and direction within a node, GB/s (default 450)",
-    "ib_gbits": "InfiniBand per GPU between nodes, Gb/s (default 400)",
-    "latency_intra_us": "fixed cost of one collective within a node, us (default 10)",
-    "latency_inter_us": "fixed cost of one collective between nodes, us (default 20)",
-    "overlap": "fraction of the backward that gradient collectives can hide behind "
-               "(default 1)",
-    "workspace_gib": "fixed workspace in the peak, GiB (default 0.25)",
-    "fragmentation": "allocator reserve beyond the peak, fraction (default 0.05)",
-    "context_gib": "CUDA context outside the allocator, GiB (default 0.6)",
-}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2
-        print(f"lab2-train plan: error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lab2-train plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
-    for name, kind in MODEL_FIELDS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help="the preset's by default")
-    p.add_argument("--ffn", choices=FFN_KINDS, default=None)
-    p.add_argument("--norm", choices=NORM_KINDS, default=None)
-    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--nodes", type=int, default=1)
-    batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, default=None,
-                       help="global batch in sequences (default 32, as lab2-train)")
-    batch.add_argument("--per-rank-batch", type=int, default=None,
-                       help="sequences per rank and micro-batch (the global batch is this x "
-                       "ranks x --grad-accum)")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
-    p.add_argument("--sharding", choices=SHARDING_KINDS, default=None,
-                   help="default: zero1 with more than one GPU, else none (as lab2-train)")
-    p.add_argument("--ddp", choices=DDP_KINDS, default=None,
-                   help="default: bucketed with more than one GPU and --sharding none, "
-                   "zero1-allreduce or torch, else none (as lab2-train)")
-    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING,
-                   default="none")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                   default=True)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    for name, text in HARDWARE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=text)
-    p.add_argument("--compare", action="store_true",
-                   help="also a row for every sharding kind x checkpointing kind")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON only")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="also draw step time and peak memory against the GPU count (1 to "
-                   f"{max(SCALING_GPUS)}, {GPUS_PER_NODE} a node, this plan's per-rank "
-                   "batch) for every sharding kind")
-    return p
-
-
-def plan_input(args: argparse.Namespace) -> PlanInput:
-    """The :class:`PlanInput` the flags describe (``ValueError`` for a bad combination)."""
-    overrides: dict[str, Any] = {k: getattr(args, k) for k in MODEL_FIELDS}
-    overrides.update(ffn=args.ffn, norm=args.norm, tie_embeddings=args.tie_embeddings)
-    model = model_config(args.preset, **overrides)
-    for name in ("gpus_per_node", "nodes", "grad_accum"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                             f"{getattr(args, name)}")
-    world = args.gpus_per_node * args.nodes
-    if args.per_rank_batch is not None:
-        if args.per_rank_batch < 1:
-            raise ValueError(f"--per-rank-batch must be >= 1, got {args.per_rank_batch}")
-        batch = args.per_rank_batch * world * args.grad_accum
-    else:
-        batch = 32 if args.batch_size is None else args.batch_size
-    hardware = Hardware(**{k: getattr(args, k) for k in HARDWARE_FLAGS
-                           if getattr(args, k) is not None})
-    return PlanInput(model=model, batch_size=batch, gpus_per_node=args.gpus_per_node,
-                     nodes=args.nodes, grad_accum=args.grad_accum, precision=args.precision,
-                     sharding=args.sharding, ddp=args.ddp,
-                     activation_checkpointing=args.activation_checkpointing,
-                     compile=args.compile, reshard_after_forward=args.reshard_after_forward,
-                     bucket_mb=args.bucket_mb, hardware=hardware).validate()
-
-
-def compare_rows(p: PlanInput) -> list[dict[str, Any]]:
-    """One plan per sharding kind and checkpointing kind, the rest of ``p`` kept."""
-    rows = []
-    for sharding in SHARDING_KINDS:
-        for kind in ACTIVATION_CHECKPOINTING:
-            q = dataclasses.replace(p, sharding=sharding, ddp=None,
-                                    activation_checkpointing=kind)
-            result = plan(q)
-            rows.append({"sharding": sharding, "activation_checkpointing": kind,
-                         "peak_gib": result["peak_gib"], "fits": result["fits"],
-                         "largest_micro_batch": result["largest_micro_batch"],
-                         "step_s": result["time"]["step_s"],
-                         "tokens_per_s": result["time"]["tokens_per_s"],
-                         "mfu": result["time"]["mfu"],
-                         "scaling_efficiency": result["time"]["scaling_efficiency"]})
-    return rows
-
-
-def scaling_rows(p: PlanInput) -> list[dict[str, Any]]:
-    """Plans at every count of :data:`SCALING_GPUS` (:data:`GPUS_PER_NODE` a node once
-    there are more), every sharding kind, this plan's micro-batch and the rest kept."""
-    rows = []
-    for gpus in SCALING_GPUS:
-        per_node = min(gpus, GPUS_PER_NODE)
-        for sharding in SHARDING_KINDS:
-            q = dataclasses.replace(p, gpus_per_node=per_node, nodes=gpus // per_node,
-                                    batch_size=p.micro_batch * gpus * p.grad_accum,
-                                    sharding=sharding, ddp=None)
-            result = plan(q)
-            rows.append({"gpus": gpus, "sharding": sharding, "peak_gib": result["peak_gib"],
-                         "step_s": result["time"]["step_s"],
-                         "scaling_efficiency": result["time"]["scaling_efficiency"]})
-    return rows
-
-
-def draw(rows: list[dict[str, Any]], path: str, title: str, gpu_memory_gib: float) -> None:
-    """Step time and peak memory against the GPU count, a line per sharding kind, written
-    atomically to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lab2_trainer.run_folder import atomic_write
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for sharding in SHARDING_KINDS:
-        mine = [r for r in rows if r["sharding"] == sharding]
-        gpus = [r["gpus"] for r in mine]
-        ax_t.plot(gpus, [r["step_s"] * 1e3 for r in mine], "o-", label=sharding, ms=3)
-        ax_m.plot(gpus, [r["peak_gib"] for r in mine], "o-", label=sharding, ms=3)
-    for ax, label in ((ax_t, "step time (ms), prediction"), (ax_m, "peak memory per GPU "
-                                                                   "(GiB), prediction")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    ax_m.axhline(gpu_memory_gib, color="gray", ls="--", lw=1, label="GPU memory")
-    ax_t.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    try:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
-    finally:
-        plt.close(fig)
-
-
-def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(highlight=False)
-    m = result["model"]
-    mem, t = result["memory_bytes"], result["time"]
-    title = (f"lab2-train plan: {result['parameters'] / 1e9:,.2f} B parameters (d_model "
-             f"{m['d_model']}, {m['n_layers']} layers, d_ff {m['d_ff']}, vocab "
-             f"{m['vocab_size']}, context {m['context_length']}), {result['world_size']} GPU(s) "
-             f"= {result['gpus_per_node']} x {result['nodes']} node(s), batch "
-             f"{result['batch_size']} ({result['micro_batch']} per rank x "
-             f"{result['grad_accum']} micro-batches), {result['precision']}, sharding "
-             f"{result['sharding']}, activation checkpointing "
-             f"{result['activation_checkpointing']}, "
-             f"{'compiled' if result['compile'] else 'eager'}")
-    table = Table(title="peak memory per GPU (prediction)", title_justify="left")
-    table.add_column("item")
-    table.add_column("GiB", justify="right")
-    table.add_column("in the peak", justify="right")
-    counted = {"gradients": mem["counted_gradients"] > 0}
-    acts = mem["counted_activations"] > 0
-    for name in ("parameters", "gradients", "optimizer", "sharding buffers",
-                 "half-precision weight copies", "activations (blocks)",
-                 "activations (final norm, loss)", "recomputed block",
-                 "logits at backward start", "workspace"):
-        inside = counted.get(name, acts if name.startswith(("activations", "recomputed",
-                                                               "logits")) else True)
-        table.add_row(name, f"{mem[name] / GIB:,.2f}", "yes" if inside else "no")
-    table.add_row("[bold]peak allocated[/bold]", f"[bold]{mem['peak'] / GIB:,.2f}[/bold]", "")
-    table.add_row("reserved (allocator)", f"{mem['reserved'] / GIB:,.2f}", "")
-    verdict = ("[green]fits[/green]" if result["fits"] else "[red]does not fit[/red]")
-    console.print(title)
-    console.print(table)
-    console.print(f"{verdict} in {result['gpu_memory_gib']:g} GiB per GPU; the largest "
-                  f"micro-batch that fits: {result['largest_micro_batch']} sequences per rank")
-    times = Table(title="step time (prediction)", title_justify="left")
-    times.add_column("part")
-    times.add_column("ms", justify="right")
-    times.add_column("exposed ms", justify="right")
-    times.add_row("compute (forward + backward + recompute)", f"{t['compute_s'] * 1e3:,.1f}",
-                  f"{t['compute_s'] * 1e3:,.1f}")
-    for name, comm in t["communication"].items():
-        times.add_row(f"{name} ({comm['bytes'] / GIB:,.2f} GiB, hides behind "
-                      f"{comm['hides_behind']})", f"{comm['seconds'] * 1e3:,.1f}",
-                      f"{comm['exposed'] * 1e3:,.1f}")
-    times.add_row("[bold]step[/bold]", f"[bold]{t['step_s'] * 1e3:,.1f}[/bold]", "")
-    console.print(times)
-    console.print(f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per "
-                  f"GPU), MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}, scaling efficiency "
-                  f"{t['scaling_efficiency']:.1%}; link: {t['link']}")
-    if rows:
-        cmp = Table(title="every strategy (prediction)", title_justify="left")
-        for col in ("sharding", "checkpointing", "peak GiB", "fits", "largest micro-batch",
-                    "step ms", "tokens/s", "MFU", "scaling"):
-            cmp.add_column(col, justify="left" if col in ("sharding", "checkpointing")
-                           else "right")
-        for r in rows:
-            cmp.add_row(r["sharding"], r["activation_checkpointing"], f"{r['peak_gib']:,.1f}",
-                        "yes" if r["fits"] else "no", str(r["largest_micro_batch"]),
-                        f"{r['step_s'] * 1e3:,.1f}", f"{r['tokens_per_s']:,.0f}",
-                        f"{r['mfu']:.1%}", f"{r['scaling_efficiency']:.1%}")
-        console.print(cmp)
-    console.print("assumptions:")
-    for line in result["assumptions"]:
-        console.print(f"  - {line}")
-
-
-def strict_json(result: dict[str, Any]) -> str:
-    """``result`` as strict JSON: a figure that is not finite (a prediction past what a
-    float holds, from extreme hardware flags) is null, and ``non_finite`` lists where."""
-    nulls: list[str] = []
-
-    def clean(value: Any, where: str) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            nulls.append(where)
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return value
-
-    out = clean(result, "")
-    if nulls:
-        out["non_finite"] = nulls
-        out.setdefault("assumptions", []).append(
-            "null stands for a figure past what a float holds (infinite or undefined), from "
-            "extreme inputs: see non_finite")
-    return json.dumps(out, indent=2, allow_nan=False)
-
-
-def _refuse(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"lab2-train plan: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lab2-train plan``; returns the exit code."""
-    from lab2_trainer.validate_inputs import check_output_file
-
-    args = build_parser().parse_args(argv)
-    try:
-        if args.plot is not None:
-            check_output_file(args.plot, "--plot")
-        p = plan_input(args)
-        result = plan(p)
-        rows = compare_rows(p) if args.compare else None
-        scaling = scaling_rows(p) if args.plot else None
-    except (ValueError, UsageError) as exc:
-        return _refuse(str(exc))
-    if rows is not None:
-        result["compare"] = rows
-    if scaling is not None:
-        result["scaling"] = scaling
-        m = result["model"]
-        try:
-            draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, "
-                 f"{m['n_layers']} layers, {result['micro_batch']} x {m['context_length']} "
-                 f"tokens per GPU, {result['precision']}, checkpointing "
-                 f"{result['activation_checkpointing']}", result["gpu_memory_gib"])
-        except OSError as exc:  # a read-only file system, a full disk, a swap meanwhile
-            return _refuse(f"--plot {shown(args.plot)}: cannot write it "
-                           f"({exc.strerror or exc}; nothing was written)", code=1)
-    if args.json:
-        print(strict_json(result))
-    else:
-        render(result, rows)
-    return 0

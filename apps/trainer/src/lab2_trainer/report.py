@@ -49,6 +49,7 @@ from torch import nn
 from lab2_trainer.config import ModelConfig
 from lab2_trainer.model import recomputed_blocks
 from lab2_trainer.run_folder import atomic_write, atomic_write_text
+from lab2_trainer.wall_clock import describe as describe_wall_clock
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"
@@ -234,6 +235,8 @@ class RunReporter:
         table.add_row("steps", f"{summary['steps']} ({summary['tokens']:,} tokens)")
         table.add_row("wall time", f"{summary['train_seconds']:.1f} s training "
                                    f"({summary['tokens_per_s']:,.0f} tokens/s)")
+        if summary.get("wall_clock"):
+            table.add_row("wall clock", describe_wall_clock(summary["wall_clock"]))
         if summary.get("mfu") is not None:
             table.add_row("MFU", f"{summary['mfu']:.1%} of {summary['mfu_peak']} "
                                  f"({summary['step_tokens_per_s']:,.0f} tokens/s in steps)")

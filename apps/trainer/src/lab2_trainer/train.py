@@ -75,6 +75,7 @@ from lab2_trainer.report import (
     training_flops_per_token,
 )
 from lab2_trainer.run_folder import atomic_write_text
+from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
 # -------------------------------------------------------------- learning-rate schedule
@@ -209,6 +210,8 @@ class Trainer:
     """
 
     def __init__(self, settings: TrainSettings, ctx: DistContext) -> None:
+        # Start-up runs from the launch of lab2-train (or from here) to the first step.
+        self.clock = WallClock(launch_start())
         self.s = settings
         self.ctx = ctx
         s = settings
@@ -344,7 +347,11 @@ class Trainer:
         Returns:
             The summary (on every rank; file paths and figures are rank 0's).
         """
-        s, ctx = self.s, self.ctx
+        with self.clock.active():
+            return self._run(stop_at)
+
+    def _run(self, stop_at: int | None) -> dict[str, Any]:
+        s, ctx, clock = self.s, self.ctx, self.clock
         out = Path(s.out)
         ckpt_path = out / CHECKPOINT_NAME
         reporter = None
@@ -362,38 +369,49 @@ class Trainer:
         end = s.steps if stop_at is None else min(stop_at, s.steps)
         pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
         windows: list[tuple[int, float]] = []  # (steps, seconds) between fetches
+        first_step_s: float | None = None  # this invocation's first step (compilation)
+        clock.switch("training")
         window_start = time.perf_counter()
         try:
             while self.step < end:
                 loss, grad_norm = self.train_step()
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
+                first = self.step == start_step + 1  # timed alone: it holds the compilation
                 evaluate_now = done or bool(s.eval_every and self.step % s.eval_every == 0)
                 checkpoint_now = done or bool(s.ckpt_every and self.step % s.ckpt_every == 0)
-                if not (evaluate_now or checkpoint_now or self.step % s.log_every == 0):
+                if not (first or evaluate_now or checkpoint_now or self.step % s.log_every == 0):
                     continue
                 records = self._fetch_records(pending, window_start)
                 windows.append((len(pending), time.perf_counter() - window_start))
+                if first:
+                    first_step_s = windows[-1][1]
                 pending = []
+                records[-1]["wall_clock"] = clock.split(first_step_s, steady_step(windows))
                 for record in records:
                     if not math.isfinite(record["loss"]) and self.scaler is None:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
                 if evaluate_now:
-                    val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
-                                        s.precision)
+                    with clock.phase("evaluation"):
+                        val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
+                                            ctx, s.precision)
                     records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
                 if reporter is not None:
-                    for record in records:
-                        reporter.step(record)
+                    with clock.phase("other"):
+                        for record in records:
+                            reporter.step(record)
                 if checkpoint_now:
-                    self.save_checkpoint(ckpt_path)
+                    with checkpoint_stall():
+                        self.save_checkpoint(ckpt_path)
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
-                val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
-                                    s.precision)
+                with clock.phase("evaluation"):
+                    val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
+                                        s.precision)
         finally:
+            clock.switch("other")
             if reporter is not None:
                 reporter.close()
         train_seconds = time.perf_counter() - t0
@@ -414,16 +432,22 @@ class Trainer:
             "parameters": self.model.num_parameters(),
         }
         # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
-        sample_model = self.sampling_model() if s.sample_tokens else None
+        with clock.phase("sampling"):
+            sample_model = self.sampling_model() if s.sample_tokens else None
         # Rank 0's work alone: the others wait without --timeout bounding a long sample.
         rank0_alone(ctx, "at the end of the run (plot, sample, summary)",
-                    lambda: self._finish(reporter, summary, entropy, sample_model), s.timeout)
+                    lambda: self._finish(reporter, summary, entropy, sample_model,
+                                         first_step_s, windows), s.timeout)
+        if reporter is None:
+            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
         return summary
 
     def _finish(self, reporter: RunReporter | None, summary: dict[str, Any],
-                entropy: float | None, sample_model: TransformerLM | None) -> None:
+                entropy: float | None, sample_model: TransformerLM | None,
+                first_step_s: float | None,
+                windows: list[tuple[int, float]]) -> None:
         """Rank 0's end of the run: the loss curve, the sample, the summary."""
-        s, out = self.s, Path(self.s.out)
+        s, clock, out = self.s, self.clock, Path(self.s.out)
         ckpt_path = out / CHECKPOINT_NAME
         if reporter is not None:
             summary.update(provenance())
@@ -432,7 +456,8 @@ class Trainer:
             if plot is not None:
                 outputs["loss curve"] = str(plot)
             if s.sample_tokens:
-                text = self.sample(s.sample_tokens, sample_model)
+                with clock.phase("sampling"):
+                    text = self.sample(s.sample_tokens, sample_model)
                 atomic_write_text(out / SAMPLE_NAME, text)
                 outputs["sample"] = str(out / SAMPLE_NAME)
                 if not s.quiet:
@@ -440,6 +465,7 @@ class Trainer:
                     reporter.console.print(text, markup=False, highlight=False)
             outputs["summary"] = str(out / "summary.json")
             summary["outputs"] = outputs
+            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
             reporter.summary(summary, outputs)
 
     def _fetch_records(self, pending: list[tuple[int, float, torch.Tensor, torch.Tensor]],
@@ -582,6 +608,13 @@ class Trainer:
         if self.corpus.is_bytes:
             return bytes_as_text(bytes(ids))
         return " ".join(map(str, ids))
+
+
+def steady_step(windows: list[tuple[int, float]]) -> float | None:
+    """Mean seconds per step of the timed windows after the first (the first step alone,
+    see :meth:`Trainer.run`); None before there is one."""
+    steps = sum(n for n, _ in windows[1:])
+    return sum(t for _, t in windows[1:]) / steps if steps else None
 
 
 def train(ctx: DistContext, settings: TrainSettings) -> dict[str, Any]:

@@ -12,6 +12,8 @@ Modules: :mod:`minddp.allreduce` (the two baselines), :mod:`minddp.individual`,
 :mod:`minddp.bucketed` (with the bucket plan), :mod:`minddp.overlap` (what both overlapping
 wrappers share), :mod:`minddp.comm` (process-group queries, averaging, broadcasting a
 module), :mod:`minddp.model_check` (checks that every rank holds the same model).
+:mod:`minddp._internal` holds what zero1 builds on (the bucket plan, list-wide copies);
+it is not public API.
 
 The names below are imported on first use, so that reading :data:`BUCKET_RULES` (a
 command line's ``--help``) does not import torch.
@@ -37,17 +39,12 @@ _HOMES = {
     "DDPIndividualParameters": "individual",
     "ModelMismatchError": "model_check",
     "SyncStats": "overlap",
-    "TensorInfo": "bucketed",
-    "adopt_gradients": "bucketed",
     "all_reduce_gradients": "allreduce",
-    "assign_buckets": "bucketed",
     "broadcast_module": "comm",
     "check_model_consistency": "model_check",
-    "copy_all": "comm",
     "model_signature": "model_check",
     "validate_bucket_rule": "bucketed",
     "validate_bucket_size_mb": "bucketed",
-    "zero_all": "comm",
 }
 
 __all__ = [
@@ -57,30 +54,18 @@ __all__ = [
     "DDPIndividualParameters",
     "ModelMismatchError",
     "SyncStats",
-    "TensorInfo",
-    "adopt_gradients",
     "all_reduce_gradients",
-    "assign_buckets",
     "broadcast_module",
     "check_model_consistency",
-    "copy_all",
     "model_signature",
     "validate_bucket_rule",
     "validate_bucket_size_mb",
-    "zero_all",
 ]
 
 if TYPE_CHECKING:
     from minddp.allreduce import all_reduce_gradients
-    from minddp.bucketed import (
-        DDPBucketed,
-        TensorInfo,
-        adopt_gradients,
-        assign_buckets,
-        validate_bucket_rule,
-        validate_bucket_size_mb,
-    )
-    from minddp.comm import Averager, broadcast_module, copy_all, zero_all
+    from minddp.bucketed import DDPBucketed, validate_bucket_rule, validate_bucket_size_mb
+    from minddp.comm import Averager, broadcast_module
     from minddp.individual import DDPIndividualParameters
     from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
     from minddp.overlap import SyncStats

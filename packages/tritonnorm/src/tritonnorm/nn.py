@@ -26,7 +26,14 @@ What is swapped:
   ``(weight * x_hat).to(dtype)`` ("none") or Gemma's ``(x_hat * (1 + weight.float()))
   .type_as(x)`` ("gemma", offset 1). The probe decides from what the module computes, so
   no table of class names is needed (none of the tested families needed one). A module
-  that agrees with none is left alone, with a warning when its class name says RMSNorm.
+  that agrees with none is left alone, with a warning when its class name says RMSNorm or
+  it computes an RMSNorm in float32 (T5's, which rounds half precision its own way).
+
+A module whose ``forward`` takes more than the hidden states (the gated norms of Mamba 2,
+Bamba, GraniteMoeHybrid, NemotronH and Zamba2: ``forward(hidden_states, gate=None)``) is
+never swapped: tritonnorm's takes one tensor. TorchScript modules cannot be changed: their
+norms are left alone with a warning. Everything is checked and every replacement built
+before the first module is swapped, so a refusal leaves the model as it was.
 
 What is kept: the weight (the same ``Parameter`` object, so optimizers, DDP and anything
 else holding it keep working, and ``state_dict`` keys and values are unchanged), eps,
@@ -43,12 +50,14 @@ What is refused (``ValueError`` naming every such module, before anything is cha
 * a ``normalized_shape`` of more than one dimension: tritonnorm normalises the last
   dimension only;
 * a module whose ``forward`` is replaced on the instance (accelerate's hooks, for one),
-  one with parametrizations, and a declared module that breaks the rule above.
+  one with parametrizations, and a declared module that breaks the rule above (its
+  forward takes more than one input, say).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 import warnings
@@ -111,9 +120,12 @@ class RMSNorm(nn.Module):
         else:
             self.register_parameter("weight", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, casting_mode=self.casting_mode,
-                        offset=self.offset)
+    def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+        """``out_dtype``: y's dtype (as ``rms_norm``'s; under autocast, the autocast dtype
+        saves the cast the next layer would make)."""
+        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype,
+                        casting_mode=self.casting_mode, offset=self.offset)
 
     def extra_repr(self) -> str:
         extra = "" if self.casting_mode == "none" else f", casting_mode={self.casting_mode!r}"
@@ -127,10 +139,14 @@ class FusedAddRMSNorm(RMSNorm):
 
     The module form of ``fused_add_rms_norm``: same parameter (and state dict) and
     arguments as ``RMSNorm``. The sum takes x's dtype; pass the residual stream as ``x``.
+    Without a residual, ``forward(x)`` is ``RMSNorm``'s (y alone).
     """
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor):  # type: ignore[override]
-        return fused_add_rms_norm(x, residual, self.weight, self.eps,
+    def forward(self, x: torch.Tensor,  # type: ignore[override]
+                residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None):
+        if residual is None:
+            return super().forward(x, out_dtype=out_dtype)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, out_dtype=out_dtype,
                                   casting_mode=self.casting_mode, offset=self.offset)
 
 
@@ -159,7 +175,12 @@ _EPS_NAMES = ("eps", "variance_epsilon")
 
 
 class _Unsupported(Exception):
-    """A candidate module that cannot be swapped exactly; the message says why."""
+    """A candidate module that cannot be swapped exactly; the message says why.
+    ``is_rms``: what it computes is an RMSNorm all the same (it is worth a warning)."""
+
+    def __init__(self, why: str, is_rms: bool = False) -> None:
+        super().__init__(why)
+        self.is_rms = is_rms
 
 
 _NONE_EPS: dict[torch.dtype, float] = {}
@@ -216,9 +237,10 @@ class MachineEpsRMSNorm(RMSNorm):
         # traces as a constant.
         self._eps_by_dtype = _none_eps_table()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
         eps = self._eps_by_dtype.get(x.dtype, torch.finfo(torch.float32).eps)
-        return rms_norm(x, self.weight, eps)
+        return rms_norm(x, self.weight, eps, out_dtype=out_dtype)
 
 
 def _declared(module: nn.Module) -> bool | None:
@@ -265,6 +287,23 @@ def _is_candidate(module: nn.Module) -> bool:
     return _candidate_kind(module) is not None
 
 
+_ONE_INPUT = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _forward_inputs(module: nn.Module) -> str | None:
+    """None where ``module``'s forward takes one input and nothing else, as tritonnorm's
+    does; else its signature. A gated norm's ``forward(hidden_states, gate=None)`` computes
+    an RMSNorm while the gate is None, and its model then passes a gate."""
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):  # no signature to read: nothing proves it
+        return "(unreadable)"
+    params = list(sig.parameters.values())[1:]  # without self
+    if len(params) == 1 and params[0].kind in _ONE_INPUT:
+        return None
+    return str(sig)
+
+
 def _checked_eps(value, where: str) -> float | None:
     if value is None:
         return None
@@ -302,23 +341,34 @@ def _agrees(out, expected: torch.Tensor) -> bool:
     return float((out != expected).double().mean()) <= 0.02
 
 
-def _probe(module: nn.Module, weight: nn.Parameter, eps: float) -> tuple[str, float] | None:
-    """The one formula of ``_FORMULAS`` that ``module``'s forward computes, found by
-    running it (on a shallow copy holding a random CPU weight of its own, hooks not
-    called) on small random inputs of several dtypes and scales; None where none or
-    several agree, or the forward fails."""
+def _probe(module: nn.Module, weight: nn.Parameter, eps: float
+           ) -> tuple[tuple[str, float] | None, bool]:
+    """(the one formula of ``_FORMULAS`` that ``module``'s forward computes, or None where
+    none or several agree or the forward fails; whether it computes an RMSNorm in float32
+    at least), found by running it (on a shallow copy holding a random CPU weight of its
+    own, hooks not called) on small random inputs of several dtypes and scales."""
     hidden = weight.shape[0]
     attrs = tuple(sorted((k, v) for k, v in vars(module).items()
                          if not k.startswith("_") and isinstance(v, (bool, int, float, str))))
     key = (type(module), eps, hidden, attrs)
     if key in _PROBED:
         return _PROBED[key]
+    left = _agreeing(module, hidden, eps, _PROBE_DTYPES)
+    found = left[0] if len(left) == 1 else None
+    # T5's norm, say: an RMSNorm in float32 that rounds half precision its own way.
+    is_rms = bool(left or _agreeing(module, hidden, eps, _PROBE_DTYPES[-1:]))
+    _PROBED[key] = found, is_rms
+    return found, is_rms
+
+
+def _agreeing(module: nn.Module, hidden: int, eps: float, dtypes) -> list[tuple[str, float]]:
+    """The formulas of ``_FORMULAS`` that ``module`` computes on probes of ``dtypes``."""
     gen = torch.Generator().manual_seed(0)
     probe = copy.copy(module)
     left = list(_FORMULAS)
     try:
         with torch.no_grad():
-            for w_dtype, x_dtype in _PROBE_DTYPES:
+            for w_dtype, x_dtype in dtypes:
                 w = (0.5 * torch.randn(hidden, generator=gen, dtype=torch.float64)).to(w_dtype)
                 probe.__dict__["_parameters"] = {"weight": nn.Parameter(w, requires_grad=False)}
                 # A scale where eps matters as much as the mean square, and one where not.
@@ -333,9 +383,7 @@ def _probe(module: nn.Module, weight: nn.Parameter, eps: float) -> tuple[str, fl
                         break
     except Exception:  # noqa: BLE001 - a forward that cannot run on the probe proves nothing
         left = []
-    found = left[0] if len(left) == 1 else None
-    _PROBED[key] = found
-    return found
+    return left
 
 
 def _swap_spec(module: nn.Module) -> tuple[nn.Parameter | None, float | None, str, float]:
@@ -386,16 +434,22 @@ def _swap_spec(module: nn.Module) -> tuple[nn.Parameter | None, float | None, st
         if len(set(values.values())) > 1:
             raise _Unsupported(f"its eps and variance_epsilon differ ({values})")
         eps = next(iter(values.values()))
+    signature = None if kind == "torch" else _forward_inputs(module)
+    if signature is not None:
+        raise _Unsupported(f"its forward{signature} takes more than the hidden states, "
+                           "and tritonnorm's takes nothing else")
     if kind != "probe":
         return weight, eps, "none", 0.0
     if eps is None:
         raise _Unsupported("its eps is None, whose meaning its forward decides")
-    formula = _probe(module, weight, eps)
+    formula, is_rms = _probe(module, weight, eps)
     if formula is None:
+        what = ("an RMSNorm in float32 but rounds half precision unlike every formula"
+                if is_rms else "none of the RMSNorm formulas")
         raise _Unsupported(
-            "its forward computes none of the RMSNorm formulas tritonnorm has (Llama's "
-            "weight * x_hat.to(dtype), OLMo 2's (weight * x_hat).to(dtype), Gemma's "
-            "x_hat * (1 + weight)) on a probe")
+            f"its forward computes {what} tritonnorm has (Llama's weight * x_hat.to(dtype), "
+            "OLMo 2's (weight * x_hat).to(dtype), Gemma's x_hat * (1 + weight)) on a probe",
+            is_rms)
     return weight, eps, *formula
 
 
@@ -445,6 +499,11 @@ def _build(module: nn.Module, weight: nn.Parameter | None, eps: float | None,
     return new
 
 
+def _inside(name: str, roots: list[str]) -> bool:
+    """Whether the module named ``name`` is one of ``roots`` or inside one."""
+    return any(not r or name == r or name.startswith(f"{r}.") for r in roots)
+
+
 def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
     """Swap every RMSNorm in ``model`` for ``tritonnorm.RMSNorm``, in place.
 
@@ -462,9 +521,11 @@ def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
       Llama's ``weight * x_hat.to(dtype)`` ("llama": Llama, Mistral, Qwen2, Qwen3 and its
       q/k norms over head_dim, ...), OLMo 2's ``(weight * x_hat).to(dtype)`` ("none"), or
       Gemma's ``(x_hat * (1 + weight.float())).type_as(x)`` ("gemma", offset 1: Gemma,
-      Gemma 2, Gemma 3). A module that agrees with none is left alone, with a warning when
-      its class name says RMSNorm, whatever ``strict`` says: a norm is never swapped for
-      one that computes something else.
+      Gemma 2, Gemma 3). A module that agrees with none, or whose forward takes more than
+      the hidden states (a gated norm's ``forward(hidden_states, gate=None)``), is left
+      alone, with a warning when its class name says RMSNorm or it computes an RMSNorm in
+      float32 (T5's), whatever ``strict`` says: a norm is never swapped for one that
+      computes something else. TorchScript modules are left alone with a warning.
 
     Modules already of tritonnorm are left alone and not counted, so a second call returns
     0. The weight Parameter is kept (the same object: optimizers and DDP holding it keep
@@ -495,10 +556,23 @@ def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
             f"the model itself is a {type(model).__name__}: there is no parent to put the "
             "replacement in; use tritonnorm.nn.to_tritonnorm(model) instead")
 
+    # TorchScript modules cannot be changed: their norms are left alone, with a warning.
+    scripted: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not _inside(name, scripted):
+            scripted.append(name)
+    if scripted:
+        listing = ", ".join(n or "the model itself" for n in scripted)
+        warnings.warn(f"replace_rms_norms: TorchScript modules ({listing}) cannot be "
+                      "changed: their norms were left as they are. Swap the model's norms "
+                      "before torch.jit.script or torch.jit.trace.", UserWarning, stacklevel=2)
+
     # Every (parent, name) slot that holds a candidate; a shared instance has several.
     slots: list[tuple[nn.Module, str, nn.Module]] = []
     names: dict[int, str] = {}
     for parent_name, parent in model.named_modules():
+        if _inside(parent_name, scripted):
+            continue
         for name, child in parent._modules.items():
             if child is not None and _is_candidate(child):
                 slots.append((parent, name, child))
@@ -517,7 +591,7 @@ def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
             why = f"{names[key]} ({type(child).__name__}): {e}"
             if _candidate_kind(child) != "probe":
                 refused[key] = why
-            elif "rmsnorm" in type(child).__name__.lower():
+            elif e.is_rms or "rmsnorm" in type(child).__name__.lower():
                 unproven[key] = why
 
     if refused:
@@ -533,8 +607,16 @@ def replace_rms_norms(model: nn.Module, *, strict: bool = True) -> int:
         warnings.warn(f"replace_rms_norms left these modules as they are:\n  {listing}",
                       UserWarning, stacklevel=2)
 
-    for parent, name, child in slots:
-        new = new_modules.get(id(child))
-        if new is not None:
-            setattr(parent, name, new)
+    # Everything is checked and built: now the swap, undone whole if a parent refuses.
+    done: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent, name, child in slots:
+            new = new_modules.get(id(child))
+            if new is not None:
+                setattr(parent, name, new)
+                done.append((parent, name, child))
+    except BaseException:
+        for parent, name, child in reversed(done):
+            setattr(parent, name, child)
+        raise
     return len(new_modules)

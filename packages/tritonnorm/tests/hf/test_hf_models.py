@@ -163,3 +163,33 @@ def test_unknown_formula_is_left_alone_with_a_warning():
         assert tritonnorm.replace_rms_norms(model) == 0
     assert type(model[0]) is ScaledRMSNorm
 
+
+
+#: (module of transformers.models, class): norms that must be left alone, with a warning.
+#: The gated norms take forward(hidden_states, gate=None); T5's rounds x_hat to its weight's
+#: dtype, which no casting mode of tritonnorm does.
+LEFT_ALONE = [("mamba2", "MambaRMSNormGated"), ("bamba", "BambaRMSNormGated"),
+              ("granitemoehybrid", "GraniteMoeHybridRMSNormGated"),
+              ("nemotron_h", "NemotronHRMSNormGated"), ("zamba2", "Zamba2RMSNormGated"),
+              ("t5", "T5LayerNorm")]
+
+
+@pytest.mark.parametrize("family, name", LEFT_ALONE)
+def test_gated_and_t5_norms_are_left_alone_with_a_warning(family, name):
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"no {family} in transformers {transformers.__version__}")
+    cls = getattr(module, name, None)
+    if cls is None:
+        pytest.skip(f"no {name} in transformers {transformers.__version__}")
+    hidden = 16
+    group = {"group_size": hidden} if "group_size" in inspect.signature(cls).parameters else {}
+    norm = cls(hidden, **group)
+    model = torch.nn.Sequential(norm, torch.nn.Linear(hidden, hidden))
+    with pytest.warns(UserWarning, match=name):
+        assert tritonnorm.replace_rms_norms(model) == 0
+    assert model[0] is norm

@@ -1,54 +1,34 @@
-"""ZeRO at data parallelism's volume: gradients reduce-scattered in flat buckets during
-backward, each rank stepping its equal shard, the updated parameters all-gathered.
+"""Stages 1 and 2: gradients reduce-scattered in flat buckets during backward, each rank
+stepping its equal shard, the updated parameters all-gathered after the step.
 
-Layout. The trainable parameters are cut into buckets along reverse order (backward
-roughly reverses forward; :func:`minddp.assign_buckets`, the same rule as minddp's
-``DDPBucketed``). Each bucket is one flat buffer of parameters, padded to a multiple
-of the world size N and cut into N equal shards: rank r owns elements
-``[r*C, (r+1)*C)`` of every bucket, ``C = padded / N``. A parameter may straddle two
-or more shards; each rank steps the *pieces* of parameters that fall in its shard
-(1-D views of the flat buffer), which is exact for every optimizer whose update is
-elementwise (AdamW, Adam, SGD, RMSprop, Adagrad, ...). Equal shards are what a
-reduce-scatter needs: the greedy whole-parameter partition of the broadcast path
-(:mod:`zero1.exchange`) would need padding to the largest rank's share in every
-collective.
+The trainable parameters are cut into buckets (minddp's bucket rules), and each bucket's
+parameters live in one flat buffer sharded by :class:`zero1.flat.FlatLayout`. One step:
 
-One step, on every rank:
+1. Backward. A hook per parameter counts gradients in; when a bucket is complete, and
+   every bucket before it has gone, its gradients are packed flat and a reduce-scatter
+   starts, leaving this rank the sum of its shard. At the end of backward the buckets
+   still waiting (a member got no gradient) go, with zeros for the missing members.
+2. ``finish``: wait, divide by N, learn which parameters no rank used (one all-reduce
+   of a flag each), and point each piece's ``.grad`` at its averaged gradient.
+3. The local optimizer steps the pieces; every bucket is all-gathered in place.
 
-1. Backward: when the last member of a bucket has its gradient (a post-accumulate-
-   grad hook per parameter), the bucket's gradients are packed into a flat buffer and
-   an asynchronous reduce-scatter starts, leaving this rank the average over ranks of
-   its shard. Bucket i never starts before bucket i-1, so every rank issues the same
-   collectives in the same order. At the end of each backward (an autograd-engine
-   callback) the buckets still waiting, those with a member that got no gradient,
-   start with zeros for the missing ones.
-2. ``finish``: wait for the reduce-scatters, learn which parameters no rank used (one
-   small all-reduce of a flag per parameter), and point each piece's ``.grad`` at its
-   averaged gradient (None for parameters no rank used, as one process would leave
-   them, so the optimizer skips them).
-3. The local optimizer steps the pieces in place; then every bucket's parameter buffer
-   is all-gathered in place from its shards.
+Ψ goes out in the reduce-scatters and Ψ in the all-gathers: 2Ψ, as an all-reduce does.
 
-That is Ψ sent by the reduce-scatters and Ψ by the all-gathers (Ψ parameter elements),
-2Ψ in all, as much as an all-reduce of the gradients alone.
+What the stages free. Stage 1 keeps each bucket's full-size local gradients (the
+members' ``.grad`` are views of it) and the 1/N averaged shard. Stage 2 packs a bucket's
+gradients into one send buffer (reused by every bucket) and drops the ``.grad``
+tensors at once, so it keeps only the 1/N shard: ``_send_stage1`` and ``_send_stage2``
+are the whole difference.
 
-Stages. Stage 1 keeps a persistent full-size gradient buffer per bucket, and each
-parameter's ``.grad`` is a view into it holding this rank's local (not averaged)
-gradient, as autograd accumulated it; the shard's average lives in a separate buffer
-of 1/N of the size. Stage 2 keeps only that 1/N: each bucket's gradients are packed
-into one reusable send buffer (one per dtype and device, the size of the largest
-bucket) and the parameters' ``.grad`` are set to None as soon as they are packed, so
-full-size gradients exist only while autograd produces them and one bucket at a time
-in the send buffer. Gradient accumulation: stage 1 accumulates in ``.grad`` (use
-``no_sync`` for all micro-steps but the last, or each micro-step sends again); stage 2
-reduce-scatters every synchronized backward and adds the result into the shard, so it
-accumulates with no full-size gradient at all (or with ``no_sync`` like stage 1).
+Bucket order. The first step's buckets follow reverse registration order. At the end
+of the first synchronized step every rank takes the order in which rank 0's gradients
+arrived, and the buckets are rebuilt once along it (as PyTorch's DDP does), so that a
+bucket's members arrive together and at most one bucket of full-size gradients waits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,17 +37,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from minddp import TensorInfo, adopt_gradients, assign_buckets, copy_all, zero_all
+from minddp._internal import TensorInfo, adopt_gradients, assign_buckets, copy_all, zero_all
+
+from .flat import FlatLayout, ShardCollectives, bind, member_views
+from .rooted import RootedCollectives
 
 if TYPE_CHECKING:
     from .sharded_optimizer import GroupInfo
 
-#: How a bucket is reduce-scattered and all-gathered. "tensor": one
-#: ``reduce_scatter_tensor`` and one ``all_gather_into_tensor`` per bucket (NCCL's fast
-#: path). "rooted": one ``reduce`` to each owner and one ``broadcast`` from each owner, the
-#: same bytes; on Gloo these are 2-4x faster than its reduce-scatter and all-gather (25 MiB
-#: on 2 CPU ranks: 112 ms against 232 ms to reduce, 54 against 219 ms to gather).
-#: "auto": rooted on Gloo, tensor elsewhere.
+#: How a bucket travels: "tensor" (``reduce_scatter_tensor`` and
+#: ``all_gather_into_tensor``), "rooted" (:mod:`zero1.rooted`), "auto" (rooted on Gloo).
 COLLECTIVES = ("auto", "tensor", "rooted")
 
 
@@ -90,15 +69,11 @@ class Piece:
 @dataclass
 class _Bucket:
     members: list[int]  # indices into ShardedBuckets.params, in buffer order
-    offsets: list[int]  # each member's first element in the flat buffer
-    numel: int  # real elements (the rest up to padded is padding)
-    padded: int
-    shard: int  # C: elements per rank
+    layout: FlatLayout
     params: torch.Tensor  # flat parameter buffer, padded
-    grad_shard: torch.Tensor  # this rank's averaged gradient, C elements
-    grads: torch.Tensor | None = None  # stage 1: full local gradients, padded
+    grad_shard: torch.Tensor  # this rank's averaged gradient
+    grads: torch.Tensor | None = None  # stage 1: the members' local gradients, flat
     views: list[torch.Tensor] = field(default_factory=list)  # stage 1: members' .grad
-    wire: torch.Tensor | None = None  # stage 1 with reduce_dtype: send buffer
     pointers: list[int] = field(default_factory=list)  # each member's bound data_ptr
     fresh: bool = True  # stage 2: the next reduction replaces the shard instead of adding
     sent: bool = False  # stage 1: reduced once already this step
@@ -116,18 +91,27 @@ class _Reduction:
 
 
 class ShardedBuckets:
-    """Buckets, hooks and collectives of the reduce-scatter path of one optimizer.
+    """Buckets, hooks and collectives of stages 1 and 2 for one optimizer.
 
     Args:
         info: the process group (more than one rank).
         stage: 1 or 2 (see the module docstring).
         bucket_size_mb, bucket_rule: how buckets are cut (minddp's rules).
         reduce_dtype: the dtype gradients travel and are averaged in; None: their own.
+        collectives: one of :data:`COLLECTIVES`.
     """
 
     def __init__(self, info: GroupInfo, stage: int, bucket_size_mb: float | None,
                  bucket_rule: str, reduce_dtype: torch.dtype | None,
                  collectives: str = "auto") -> None:
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {', '.join(COLLECTIVES)}, got "
+                             f"{collectives!r}")
+        if collectives == "auto":
+            collectives = "rooted" if dist.get_backend(info.group) == "gloo" else "tensor"
+        self.collectives = collectives
+        kind = RootedCollectives if collectives == "rooted" else ShardCollectives
+        self.comm = kind(info.group, info.rank, info.global_ranks)
         self.info = info
         self.stage = stage
         self.bucket_size_mb = bucket_size_mb
@@ -135,95 +119,85 @@ class ShardedBuckets:
         self.reduce_dtype = reduce_dtype
         self.params: list[torch.Tensor] = []
         self.buckets: list[_Bucket] = []
-        self._bucket_of: list[int] = []
-        self._pieces: dict[int, Piece] = {}  # id(param) -> this rank's piece
-        self._piece_grads: list[tuple[Piece, torch.Tensor, int]] = []  # (piece, view, index)
-        self._pools: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._pool_pending: dict[tuple[torch.dtype, torch.device], _Reduction] = {}
-        group = info.group if info.group is not None else dist.group.WORLD
-        self._group = group
-        self._native_average = (getattr(dist.ReduceOp, "AVG", None) is not None
-                                and dist.get_backend(info.group) == "nccl")
-        self._op = dist.ReduceOp.AVG if self._native_average else dist.ReduceOp.SUM
-        if collectives not in COLLECTIVES:
-            raise ValueError(f"collectives must be one of {', '.join(COLLECTIVES)}, got "
-                             f"{collectives!r}")
-        if collectives == "auto":
-            collectives = "rooted" if dist.get_backend(info.group) == "gloo" else "tensor"
-        self.collectives = collectives
-        self._rooted = collectives == "rooted"
+        self.layout_version = 0  # changes whenever the pieces do
+        self._observed: list[int] | None = []  # first-gradient order, until learned
         self._hooks: list = []
         self.sync_enabled = True
         self._reset_step()
 
     # ------------------------------------------------------------------ layout
     @torch.no_grad()
-    def add(self, params: list[torch.Tensor]) -> list[Piece]:
-        """Bucket ``params`` (trainable, new), bind them to flat buffers, hook them, and
-        broadcast rank 0's values into them; return this rank's pieces (in the order of
-        ``params``, only those with elements here). Collective."""
+    def add(self, params: list[torch.Tensor]) -> None:
+        """Bucket ``params`` (trainable, new) in reverse order, bind them to flat buffers,
+        hook them, and broadcast rank 0's values into them. Collective."""
         first = len(self.params)
         self.params.extend(params)
-        infos = [TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in params]
-        plan = assign_buckets(infos, self.bucket_size_mb, rule=self.bucket_rule)
-        self._bucket_of.extend([0] * len(params))
-        rank, world = self.info.rank, self.info.world_size
-        for members in plan:
-            members = [first + i for i in members]
-            bucket = self._make_bucket(members, world)
-            b = len(self.buckets)
-            self.buckets.append(bucket)
-            mine = range(rank * bucket.shard, (rank + 1) * bucket.shard)
-            for index, offset in zip(members, bucket.offsets):
-                self._bucket_of[index] = b
-                p = self.params[index]
-                lo, hi = max(offset, mine.start), min(offset + p.numel(), mine.stop)
-                if lo < hi:
-                    piece = Piece(p, bucket.params[lo:hi], lo - offset)
-                    self._pieces[id(p)] = piece
-                    view = bucket.grad_shard[lo - mine.start : hi - mine.start]
-                    self._piece_grads.append((piece, view, index))
+        plan = assign_buckets(self._infos(params), self.bucket_size_mb, rule=self.bucket_rule)
+        new = [self._make_bucket([first + i for i in members]) for members in plan]
+        for bucket in new:
             dist.broadcast(bucket.params, src=self.info.global_ranks[0], group=self.info.group)
+        self._index(self.buckets + new, len(self.buckets))
         self._register_hooks(first)
         self._reset_step()
-        return [self._pieces[id(p)] for p in params if id(p) in self._pieces]
 
-    def _make_bucket(self, members: list[int], world: int) -> _Bucket:
+    def _infos(self, params: list[torch.Tensor]) -> list[TensorInfo]:
+        return [TensorInfo(p.numel(), p.element_size(), (p.dtype, p.device)) for p in params]
+
+    def _make_bucket(self, members: list[int]) -> _Bucket:
         params = [self.params[i] for i in members]
-        numel = sum(p.numel() for p in params)
-        padded = max(world, math.ceil(numel / world) * world)
+        layout = FlatLayout.of([p.numel() for p in params], self.info.world_size)
         first = params[0]
-        flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-        offsets, offset = [], 0
-        for p in params:
-            offsets.append(offset)
-            view = flat[offset : offset + p.numel()].view(p.shape)
-            view.copy_(p.data)
-            p.data = view  # the old storage goes as soon as nothing else holds it
-            offset += p.numel()
-        bucket = _Bucket(members, offsets, numel, padded, padded // world, flat,
-                         torch.zeros(padded // world, dtype=first.dtype, device=first.device))
-        bucket.pointers = [p.data_ptr() for p in params]
-        wire = self._wire_dtype(first.dtype)
-        if self.stage == 2 or self._rooted:
-            key = (wire, first.device)
-            pool = self._pools.get(key)
-            if pool is None or pool.numel() < padded:
-                self._pools[key] = torch.empty(padded, dtype=key[0], device=first.device)
+        flat = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
+        bind(params, flat, layout)
+        bucket = _Bucket(members, layout, flat, flat.new_zeros(layout.shard_numel),
+                         pointers=[p.data_ptr() for p in params])
         if self.stage == 1:
-            bucket.grads = torch.zeros(padded, dtype=first.dtype, device=first.device)
-            bucket.views = [bucket.grads[o : o + p.numel()].view(p.shape)
-                            for o, p in zip(offsets, params)]
+            bucket.grads = torch.zeros_like(flat)
+            bucket.views = member_views(bucket.grads, [p.shape for p in params], layout)
             for p, view in zip(params, bucket.views):
                 if p.grad is not None:  # keep a gradient the user already has
                     view.copy_(p.grad)
                     p.grad = view
-            if wire != first.dtype and not self._rooted:
-                bucket.wire = torch.empty(padded, dtype=wire, device=first.device)
         return bucket
 
-    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.reduce_dtype if self.reduce_dtype is not None else dtype
+    def _index(self, buckets: list[_Bucket], first: int = 0) -> None:
+        """Adopt ``buckets``, of which ``buckets[first:]`` are new: which bucket each
+        parameter is in, this rank's pieces (the old buckets' stay as they are), and the
+        send buffers (one per dtype and device, the largest bucket's size)."""
+        self.buckets = buckets
+        self._plan = [b.members for b in buckets]
+        self._bucket_of = [0] * len(self.params)
+        if first == 0:
+            self.pieces: dict[int, Piece] = {}  # id(param) -> this rank's piece
+            self._piece_grads: list[tuple[Piece, torch.Tensor, int]] = []  # (piece, view, index)
+            self._send: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._send_pending: dict[tuple[torch.dtype, torch.device], _Reduction] = {}
+        rank = self.info.rank
+        for b, bucket in enumerate(buckets):
+            for index in bucket.members:
+                self._bucket_of[index] = b
+            if b < first:
+                continue
+            start = bucket.layout.shard(rank).start
+            for j, lo, hi in bucket.layout.pieces(rank):
+                index = bucket.members[j]
+                p = self.params[index]
+                piece = Piece(p, bucket.params[lo:hi], lo - bucket.layout.offsets[j])
+                self.pieces[id(p)] = piece
+                self._piece_grads.append((piece, bucket.grad_shard[lo - start : hi - start],
+                                          index))
+            key = self._key(bucket)
+            needs_send = (self.stage == 2 or self.comm.scratches_input
+                          or key[0] != bucket.params.dtype)
+            if needs_send and (key not in self._send
+                               or self._send[key].numel() < bucket.layout.padded):
+                self._send[key] = torch.empty(bucket.layout.padded, dtype=key[0],
+                                              device=key[1])
+        self.layout_version += 1
+
+    def _key(self, bucket: _Bucket) -> tuple[torch.dtype, torch.device]:
+        """The dtype gradients travel in, and the device."""
+        return (self.reduce_dtype or bucket.params.dtype, bucket.params.device)
 
     def ensure_bound(self) -> None:
         """Rebind parameters that something else rebound (``p.data = ...``) since, keeping
@@ -232,22 +206,63 @@ class ShardedBuckets:
             params = [self.params[i] for i in bucket.members]
             if list(map(torch.Tensor.data_ptr, params)) == bucket.pointers:
                 continue
-            with torch.no_grad():
-                for p, offset in zip(params, bucket.offsets):
-                    if p.dtype != bucket.params.dtype or p.device != bucket.params.device:
-                        raise RuntimeError(
-                            f"ShardedOptimizer: a parameter moved to {p.dtype} on {p.device} "
-                            "after the optimizer was built; build the optimizer after moving "
-                            "the model")
-                    view = bucket.params[offset : offset + p.numel()].view(p.shape)
-                    if p.data_ptr() != view.data_ptr():
-                        view.copy_(p.data)
-                        p.data = view
+            for p in params:
+                if p.dtype != bucket.params.dtype or p.device != bucket.params.device:
+                    raise RuntimeError(
+                        f"ShardedOptimizer: a parameter moved to {p.dtype} on {p.device} "
+                        "after the optimizer was built; build the optimizer after moving "
+                        "the model")
+            bind(params, bucket.params, bucket.layout)
             bucket.pointers = [p.data_ptr() for p in params]
+
+    # ------------------------------------------------------------------ bucket order
+    def _learn_order(self) -> None:
+        """Rebuild the buckets along rank 0's first-gradient order (once; collective)."""
+        message = [self._observed]
+        dist.broadcast_object_list(message, src=self.info.global_ranks[0],
+                                   group=self.info.group)
+        self._observed = None
+        seen = set(message[0])
+        order = message[0] + [i for i in reversed(range(len(self.params))) if i not in seen]
+        plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, order,
+                              self.bucket_rule)
+        if plan != self._plan:
+            self._relayout(plan)
+
+    @torch.no_grad()
+    def _relayout(self, plan: list[list[int]]) -> None:
+        """New buckets along ``plan``: the parameters and stage 1's local gradients are
+        copied over here; this step's averaged shards are all-gathered one old bucket at
+        a time and cut into the new shards (Ψ sent, once)."""
+        old = self.buckets
+        new = [self._make_bucket(members) for members in plan]
+        where = {index: (b, j) for b, bucket in enumerate(new)
+                 for j, index in enumerate(bucket.members)}
+        rank = self.info.rank
+        for bucket in old:
+            full = bucket.params.new_empty(bucket.layout.padded)
+            full[bucket.layout.shard(rank)] = bucket.grad_shard
+            for work in self.comm.all_gather(full, bucket.layout):
+                work.wait()
+            for index, offset, n in zip(bucket.members, bucket.layout.offsets,
+                                        bucket.layout.numels):
+                b, j = where[index]
+                target = new[b]
+                mine = target.layout.shard(rank)
+                lo = max(target.layout.offsets[j], mine.start)
+                hi = min(target.layout.offsets[j] + n, mine.stop)
+                if lo < hi:
+                    src = offset + lo - target.layout.offsets[j]
+                    target.grad_shard[lo - mine.start : hi - mine.start] = full[
+                        src : src + hi - lo]
+        fresh = all(bucket.fresh for bucket in old)
+        for bucket in new:
+            bucket.fresh = fresh
+        self._index(new)
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self, first: int) -> None:
-        this = weakref.ref(self)
+        this = weakref.ref(self)  # a discarded optimizer must not keep sending
         for index in range(first, len(self.params)):
 
             def hook(_param: torch.Tensor, index: int = index) -> None:
@@ -266,20 +281,22 @@ class ShardedBuckets:
 
     def _start_round(self) -> None:
         self._in_round = True
+        self._finished = False
         self._ready = [False] * len(self.params)
         self._remaining = [len(b.members) for b in self.buckets]
         self._next = 0
-        # Runs once the whole backward is done, on the engine's thread.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
 
     def _on_grad(self, index: int) -> None:
         """Parameter ``index``'s ``.grad`` was just updated by autograd."""
-        self._used[index] = True
+        if not self._used[index]:
+            self._used[index] = True
+            if self._observed is not None:
+                self._observed.append(index)
         if not self.sync_enabled:
             return
         if not self._in_round:
             self._start_round()
-            self._finished = False
         b = self._bucket_of[index]
         if self._ready[index]:
             if b < self._next:
@@ -294,7 +311,7 @@ class ShardedBuckets:
             with torch.no_grad():
                 n = b
                 while n < len(self.buckets) and self._remaining[n] == 0:
-                    self._launch(self.buckets[n])
+                    self._send_bucket(self.buckets[n])
                     n += 1
             self._next = n
 
@@ -302,83 +319,76 @@ class ShardedBuckets:
         """End of a synchronized backward: send the buckets still waiting, in order."""
         with torch.no_grad():
             for b in range(self._next, len(self.buckets)):
-                self._launch(self.buckets[b])
+                self._send_bucket(self.buckets[b])
             if self.stage == 1:
-                # A later backward of this step accumulates into the buffers being sent:
-                # they must have been read first.
+                # A later backward of this step accumulates into the buffers being sent.
                 self._complete_pending()
         self._next = len(self.buckets)
         self._in_round = False
         self._rounds += 1
 
-    # ------------------------------------------------------------------ collectives
-    def _launch(self, bucket: _Bucket) -> None:
-        """Start bucket ``bucket``'s reduction (its members' gradients are complete)."""
-        params = [self.params[i] for i in bucket.members]
-        key = (self._wire_dtype(bucket.params.dtype), bucket.params.device)
+    # ------------------------------------------------------------------ sending a bucket
+    def _send_bucket(self, bucket: _Bucket) -> None:
         if self.stage == 1:
-            # Every member's .grad becomes its view of the bucket, keeping its value.
-            adopt_gradients(params, bucket.views)
-            if not self._rooted:
-                send = bucket.grads
-                if bucket.wire is not None:
-                    bucket.wire.copy_(bucket.grads)
-                    send = bucket.wire
-                # The first reduction of a step may land in the shard itself; a later
-                # one (accumulation without no_sync) replaces it once both are done.
-                self._start(bucket, send, direct=not bucket.sent)
-                bucket.sent = True
-                return
-            # Rooted reductions use their input as scratch: send a copy.
-            send = self._free_pool(key)[: bucket.padded]
+            self._send_stage1(bucket)
+        else:
+            self._send_stage2(bucket)
+
+    def _send_stage1(self, bucket: _Bucket) -> None:
+        """Stage 1: the members' ``.grad`` become views of the bucket's persistent
+        gradients (keeping their values), and the bucket itself is reduced."""
+        adopt_gradients([self.params[i] for i in bucket.members], bucket.views)
+        send = bucket.grads
+        key = self._key(bucket)
+        if self.comm.scratches_input or key[0] != send.dtype:
+            send = self._free_send_buffer(key)[: bucket.layout.padded]
             send.copy_(bucket.grads)
-            self._pool_pending[key] = self._start(bucket, send, direct=False)
+            self._send_pending[key] = self._start(bucket, send, direct=False)
             return
-        send = self._free_pool(key)[: bucket.padded]
+        # The first reduction of a step may land in the shard itself; a later one
+        # (accumulation without no_sync) replaces it once done.
+        self._start(bucket, send, direct=not bucket.sent)
+        bucket.sent = True
+
+    def _send_stage2(self, bucket: _Bucket) -> None:
+        """Stage 2: the members' gradients are packed into the send buffer and dropped;
+        the reduction adds into the shard (accumulation) unless the shard is fresh."""
+        key = self._key(bucket)
+        send = self._free_send_buffer(key)[: bucket.layout.padded]
         grads, targets, missing = [], [], []
-        for p, offset in zip(params, bucket.offsets):
-            view = send[offset : offset + p.numel()].view(p.shape)
+        views = member_views(send, [self.params[i].shape for i in bucket.members],
+                             bucket.layout)
+        for index, view in zip(bucket.members, views):
+            p = self.params[index]
             if p.grad is None:
                 missing.append(view)
             else:
                 grads.append(p.grad)
                 targets.append(view)
-                p.grad = None  # the full-size gradient is not kept (stage 2)
+                p.grad = None
         if targets:
             copy_all(targets, grads)
-        if bucket.padded > bucket.numel:
-            missing.append(send[bucket.numel :])
+        if bucket.layout.padded > bucket.layout.numel:
+            missing.append(send[bucket.layout.numel :])
         if missing:
             zero_all(missing)
-        self._pool_pending[key] = self._start(bucket, send, direct=bucket.fresh,
+        self._send_pending[key] = self._start(bucket, send, direct=bucket.fresh,
                                               accumulate=not bucket.fresh)
         bucket.fresh = False
 
-    def _free_pool(self, key: tuple[torch.dtype, torch.device]) -> torch.Tensor:
+    def _free_send_buffer(self, key: tuple[torch.dtype, torch.device]) -> torch.Tensor:
         """The send buffer of ``key``, once the reduction that last used it is done."""
-        previous = self._pool_pending.pop(key, None)
+        previous = self._send_pending.pop(key, None)
         if previous is not None:
             self._complete(previous)
-        return self._pools[key]
+        return self._send[key]
 
     def _start(self, bucket: _Bucket, send: torch.Tensor, *, direct: bool,
                accumulate: bool = False) -> _Reduction:
-        """Reduce ``send`` (the bucket's gradients, padded) so that this rank gets the
-        sum of its shard; ``direct``: into the bucket's shard itself, where the dtype
-        allows (else into a temporary, copied or, with ``accumulate``, added after)."""
-        info = self.info
-        c = bucket.shard
-        if self._rooted:
-            # One reduce to each owner: on Gloo much faster than its reduce-scatter.
-            works = [dist.reduce(send[r * c : (r + 1) * c], dst=info.global_ranks[r],
-                                 op=dist.ReduceOp.SUM, group=info.group, async_op=True)
-                     for r in range(info.world_size)]
-            output = send[info.rank * c : (info.rank + 1) * c]
-        else:
-            output = (bucket.grad_shard if direct and send.dtype == bucket.grad_shard.dtype
-                      else torch.empty(c, dtype=send.dtype, device=send.device))
-            works = [dist.reduce_scatter_tensor(output, send, op=self._op, group=info.group,
-                                                async_op=True)]
+        """Start reducing ``send``; ``direct``: into the bucket's shard itself, where the
+        dtype allows (else into a temporary, copied or, with ``accumulate``, added)."""
+        out = bucket.grad_shard if direct and send.dtype == bucket.grad_shard.dtype else None
+        works, output = self.comm.reduce_scatter(send, out, bucket.layout)
         entry = _Reduction(works, bucket, output, accumulate)
         self._pending.append(entry)
         return entry
@@ -390,13 +400,19 @@ class ShardedBuckets:
         for work in r.works:
             work.wait()
         r.done = True
-        if self._rooted or not self._native_average:
+        if not self.comm.averages:
             r.output.div_(self.info.world_size)
         if r.output is not r.bucket.grad_shard:
             if r.accumulate:
                 r.bucket.grad_shard.add_(r.output)
             else:
                 r.bucket.grad_shard.copy_(r.output)
+
+    def _complete_pending(self) -> None:
+        for entry in self._pending:
+            self._complete(entry)
+        self._pending = []
+        self._send_pending.clear()
 
     # ------------------------------------------------------------------ per step
     @contextlib.contextmanager
@@ -408,16 +424,11 @@ class ShardedBuckets:
         finally:
             self.sync_enabled = previous
 
-    def _complete_pending(self) -> None:
-        for entry in self._pending:
-            self._complete(entry)
-        self._pending = []
-        self._pool_pending.clear()
-
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for this step's reductions and give each piece its averaged gradient, or
         None where no rank produced one (collective; idempotent until the next step).
+        After the first step's, the buckets follow the learned order.
 
         A rank whose backward reached no parameter (or that ran none) sends zeros, so
         that every rank issues the same collectives."""
@@ -432,6 +443,8 @@ class ShardedBuckets:
         flags = dist.all_reduce(used, group=self.info.group, async_op=True)
         self._complete_pending()
         flags.wait()
+        if self._observed is not None:
+            self._learn_order()
         nobody: set[int] = set()
         if not all(self._used):  # only a parameter unused here can be unused everywhere
             nobody = {i for i, count in enumerate(used.tolist()) if count == 0}
@@ -457,18 +470,7 @@ class ShardedBuckets:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """All-gather every bucket's parameters from the owners' updated shards."""
-        info = self.info
-        works = []
-        for b in self.buckets:
-            c = b.shard
-            if self._rooted:  # one broadcast from each owner (see ``collectives``)
-                works += [dist.broadcast(b.params[r * c : (r + 1) * c], src=info.global_ranks[r],
-                                         group=info.group, async_op=True)
-                          for r in range(info.world_size)]
-            else:
-                works.append(dist.all_gather_into_tensor(
-                    b.params, b.params[info.rank * c : (info.rank + 1) * c], group=info.group,
-                    async_op=True))
+        works = [w for b in self.buckets for w in self.comm.all_gather(b.params, b.layout)]
         for work in works:
             work.wait()
 
@@ -480,6 +482,5 @@ class ShardedBuckets:
         """Every gradient buffer the path holds (for byte counts)."""
         out = [b.grad_shard for b in self.buckets]
         out += [b.grads for b in self.buckets if b.grads is not None]
-        out += [b.wire for b in self.buckets if b.wire is not None]
-        out += list(self._pools.values())
+        out += list(self._send.values())
         return out

@@ -8,12 +8,13 @@ different inputs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from minddp import ModelMismatchError
 
 if TYPE_CHECKING:
     from .sharded_optimizer import GroupInfo
@@ -134,27 +135,63 @@ def check_distinct_and_colocated(
         )
 
 
-def layout_fingerprint(groups: Sequence[Sequence[torch.Tensor]]) -> str:
-    """A short digest of every group's parameter shapes and dtypes."""
-    text = repr([[(tuple(p.shape), str(p.dtype)) for p in params] for params in groups])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+class ParameterMismatchError(ModelMismatchError, ValueError):
+    """Ranks passed parameters that differ: in number, shape, dtype, ``requires_grad`` or
+    initial values (a :class:`minddp.ModelMismatchError`, and a ``ValueError``)."""
+
+
+def _checksums(params: Sequence[torch.Tensor]) -> list[str]:
+    """A float64 sum of each parameter's values, as text (NaN compares equal to NaN)."""
+    sums = []
+    for p in params:
+        t = p.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.device.type == "meta" or t.numel() == 0:
+            sums.append(torch.zeros((), dtype=torch.float64))
+        else:
+            sums.append(torch.sum(t, dtype=torch.float64).cpu())
+    return [float(x).hex() for x in torch.stack(sums).tolist()] if sums else []
+
+
+def _signature(groups: Sequence[Sequence[torch.Tensor]]) -> list[tuple]:
+    """Per parameter: (group, position, shape, dtype, requires_grad, checksum)."""
+    flat = [(i, j, p) for i, params in enumerate(groups) for j, p in enumerate(params)]
+    sums = _checksums([p for _, _, p in flat])
+    return [(i, j, tuple(p.shape), str(p.dtype), p.requires_grad, c)
+            for (i, j, p), c in zip(flat, sums)]
+
+
+def _difference(a: list[tuple], b: list[tuple]) -> str:
+    names = ("shape", "dtype", "requires_grad", "initial values (a float64 sum)")
+    for x, y in zip(a, b):
+        for name, u, v in zip(names, x[2:], y[2:]):
+            if u != v:
+                if name.startswith("initial"):
+                    u, v = float.fromhex(u), float.fromhex(v)
+                return f"parameter {x[1]} of param group {x[0]}: {name} {u} vs {v}"
+    return f"{len(a)} parameters vs {len(b)}"
 
 
 def check_same_on_every_rank(info: GroupInfo, groups: Sequence[Sequence[torch.Tensor]],
                              what: str) -> None:
-    """Collective: raise ValueError on every rank unless all ranks pass the same layout.
+    """Collective: raise :class:`ParameterMismatchError` on every rank unless all ranks
+    pass the same parameters, in the same order, with the same initial values.
 
-    The partition is computed locally, so ranks given different parameters would
-    disagree on who owns what and then deadlock or corrupt each other's weights.
+    Ranks given different parameters would issue different collectives (a crash) or
+    shard one parameter's state into another's (silent divergence). The values are
+    compared by a checksum each, which also catches same-shaped parameters passed in
+    another order (not ones whose values are identical, such as two zero biases).
     """
     if info.world_size == 1:
         return
-    mine = layout_fingerprint(groups)
+    mine = _signature(groups)
     everyone: list[Any] = [None] * info.world_size
     dist.all_gather_object(everyone, mine, group=info.group)
-    differing = [r for r, fp in enumerate(everyone) if fp != everyone[0]]
+    differing = [r for r, sig in enumerate(everyone) if sig != everyone[0]]
     if differing:
-        raise ValueError(
-            f"ShardedOptimizer.{what}: ranks {differing} passed parameters whose shapes or "
-            "dtypes differ from rank 0's; every rank must pass the same parameters"
-        )
+        raise ParameterMismatchError(
+            f"ShardedOptimizer.{what}: ranks {differing} passed parameters that differ from "
+            f"rank 0's (rank {differing[0]}: {_difference(everyone[0], everyone[differing[0]])})"
+            "; every rank must pass the same parameters, in the same order, with the same "
+            "values and requires_grad flags")

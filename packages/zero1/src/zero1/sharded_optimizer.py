@@ -394,10 +394,8 @@ class ShardedOptimizer(Optimizer):
         """This rank's pieces of ``groups`` (new groups: their parameters are not sharded
         yet). Collective on the reduce-scatter path (parameters broadcast from rank 0)."""
         if self._buckets is not None:
-            trainable = [p for g in groups for p in g["params"] if p.requires_grad]
-            by_param = {id(piece.param): piece for piece in self._buckets.add(trainable)}
-            return [[(j, by_param[id(p)]) for j, p in enumerate(g["params"]) if id(p) in by_param]
-                    for g in groups]
+            self._buckets.add([p for g in groups for p in g["params"] if p.requires_grad])
+            return self._bucket_pieces(groups)
         out = []
         for group in groups:
             owners, self._loads = partition_parameters(
@@ -407,6 +405,36 @@ class ShardedOptimizer(Optimizer):
                                                                                 owners))
                         if owner == self._info.rank])
         return out
+
+    def _bucket_pieces(self, groups: list[dict[str, Any]]) -> list[list[tuple[int, Piece]]]:
+        by_param = self._buckets.pieces  # type: ignore[union-attr]
+        return [[(j, by_param[id(p)]) for j, p in enumerate(g["params"]) if id(p) in by_param]
+                for g in groups]
+
+    def _finish_buckets(self) -> None:
+        """Wait for this step's reductions; if the buckets were rebuilt along the learned
+        gradient order (once, in the first step), move the local optimizer onto the new
+        pieces, with any state it holds (a checkpoint loaded before the first step)."""
+        buckets = self._buckets
+        version = buckets.layout_version  # type: ignore[union-attr]
+        buckets.finish()  # type: ignore[union-attr]
+        if buckets.layout_version == version:  # type: ignore[union-attr]
+            return
+        shards: list[Any] = [None] * self._info.world_size
+        dist.all_gather_object(shards, state_of_pieces(self._local.state,
+                                                       self._numbered_pieces()),
+                               group=self._info.group)
+        self._pieces = self._bucket_pieces(self.param_groups)
+        for local, pieces in zip(self._local.param_groups, self._pieces):
+            local["params"] = [piece.local for _, piece in pieces]
+        self._foreach_pays = [foreach_pays(g["params"]) for g in self._local.param_groups]
+        self._local.state.clear()
+        if any(shards):
+            params = [p for g in self.param_groups for p in g["params"]]
+            full = {"state": merge_pieces(shards, [p.shape for p in params]),
+                    "param_groups": pack_param_groups(self.param_groups)}
+            self._local.load_state_dict(select_pieces(full, self._pieces))
+            self.state = self._local.state  # type: ignore[assignment]
 
     def _rebuild_exchange(self) -> None:
         if self._info.world_size == 1 or self._buckets is not None:
@@ -470,14 +498,14 @@ class ShardedOptimizer(Optimizer):
         """Wait for this step's gradient reductions (collective; ``step`` and
         :meth:`clip_grad_norm_` call it, and later calls do nothing until the step)."""
         if self._buckets is not None:
-            self._buckets.finish()
+            self._finish_buckets()
 
     def shard_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps: the pieces' ``.grad`` on the
         reduce-scatter path (after :meth:`finish_gradient_synchronization`), else every
         parameter's ``.grad``."""
         if self._buckets is not None:
-            self._buckets.finish()
+            self._finish_buckets()
             return self._buckets.shard_gradients()
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
@@ -570,7 +598,7 @@ class ShardedOptimizer(Optimizer):
                 loss = closure()
         buckets = self._buckets
         if buckets is not None:
-            buckets.finish()
+            self._finish_buckets()
             buckets.ensure_bound()
         elif self._exchange is not None:
             self._exchange.ensure_bound()

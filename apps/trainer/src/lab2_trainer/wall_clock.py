@@ -1,0 +1,159 @@
+"""Where a run's wall clock goes, and its goodput.
+
+A :class:`WallClock` splits one rank's wall clock into the phases of :data:`PHASES`. It is
+always in exactly one phase: the training loop switches it (:meth:`WallClock.switch`,
+:meth:`WallClock.phase`) at the points where the device is idle (after the fetches that
+wait for the steps' results), so every second between the start and
+:meth:`WallClock.split` lands in one phase and the parts add up to the wall clock.
+
+* ``startup``: from the launch of ``lab2-train`` (the time the command line stored in
+  :data:`START_ENV`; without it, from the clock's creation, when the trainer starts
+  building the model) to the first training step: imports, process-group set-up, model,
+  data and checkpoint loading, compilation set-up.
+* ``compilation``: the first step of the run (or of the resumed part) less a steady step,
+  the mean step time of the timed windows after it; carved out of ``training`` by
+  :meth:`WallClock.split`. It is everything the first step costs beyond a steady one:
+  ``torch.compile``'s tracing and code generation, and in an eager run the allocator's
+  and the kernels' first-call warm-up. A recompilation later in the run (the first
+  evaluation under ``no_grad``, for one) counts in the phase it happens in.
+* ``training``: the training steps, with the fetches of their losses and gradient norms.
+* ``evaluation``, ``sampling``: the validation passes and the text sample.
+* ``checkpoint``: the time checkpoint writing keeps the training loop waiting: whatever
+  runs under :func:`checkpoint_stall`.
+* ``other``: reporting (log lines, metrics file, loss curve, summary) and profiler traces.
+
+**Goodput** is ``training`` over the wall clock, in (0, 1].
+
+:func:`checkpoint_stall` is the one hook the checkpoint code needs: it wraps the part of a
+save (or of the wait for an asynchronous one) that blocks the training loop, and counts it
+as ``checkpoint`` on the clock that is running (:meth:`WallClock.active`). Nested calls
+count once; calls from other threads (a background writer) and calls without a running
+clock count nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+#: The phases, in the order reports list them.
+PHASES = ("startup", "compilation", "training", "evaluation", "sampling", "checkpoint", "other")
+#: The phases a clock is switched to (compilation is carved out of training afterwards).
+SWITCHED = tuple(p for p in PHASES if p != "compilation")
+#: The environment variable in which ``lab2-train`` stores its start (seconds since the
+#: epoch, ``time.time()``) for the ranks it launches.
+START_ENV = "LAB2_TRAIN_START"
+
+_active: WallClock | None = None
+
+
+def launch_start() -> float | None:
+    """The launch time that ``lab2-train`` stored in :data:`START_ENV`, taken out of the
+    environment (so a later run in the same process does not reuse it); None without
+    one or when it is not a number."""
+    text = os.environ.pop(START_ENV, None)
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def mark_launch() -> None:
+    """Store now as the launch time of the run (the command line's first act)."""
+    os.environ[START_ENV] = repr(time.time())
+
+
+class WallClock:
+    """One rank's wall clock, split by phase; it starts in ``startup``.
+
+    Args:
+        start: when the run was launched (``time.time()`` seconds; None: now). The time
+            between it and the clock's creation counts as ``startup``.
+    """
+
+    def __init__(self, start: float | None = None) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        if start is not None:
+            self.seconds["startup"] = max(0.0, time.time() - start)
+        self.current = "startup"
+        self._since = time.perf_counter()
+        self._thread = threading.get_ident()
+
+    def switch(self, phase: str) -> str:
+        """Count the time since the last switch to the current phase and enter ``phase``;
+        returns the phase left."""
+        if phase not in SWITCHED:
+            raise ValueError(f"phase must be one of {', '.join(SWITCHED)} (compilation is "
+                             f"carved out of training); got {phase!r}")
+        now = time.perf_counter()
+        self.seconds[self.current] += now - self._since
+        self._since = now
+        left, self.current = self.current, phase
+        return left
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """Count the block as ``phase``, then go back to the phase it interrupted."""
+        left = self.switch(phase)
+        try:
+            yield
+        finally:
+            self.switch(left)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[WallClock]:
+        """Make this the clock that :func:`checkpoint_stall` counts on, for the block."""
+        global _active
+        before, _active = _active, self
+        try:
+            yield self
+        finally:
+            _active = before
+
+    def split(self, first_step_s: float | None = None, steady_step_s: float | None = None
+              ) -> dict[str, Any]:
+        """The wall clock so far and its parts (seconds, ``<phase>_s``), with ``goodput``.
+
+        Args:
+            first_step_s: the first training step's time (None: no step yet).
+            steady_step_s: a steady step's time (None: not known yet; compilation is then
+                reported as 0 and stays in training).
+        """
+        now = time.perf_counter()
+        parts = dict(self.seconds)
+        parts[self.current] += now - self._since
+        if first_step_s is not None and steady_step_s is not None:
+            parts["compilation"] = min(parts["training"], max(0.0, first_step_s - steady_step_s))
+            parts["training"] -= parts["compilation"]
+        wall = sum(parts.values())
+        out: dict[str, Any] = {"wall_s": wall}
+        out.update({f"{name}_s": parts[name] for name in PHASES})
+        out["goodput"] = parts["training"] / wall if wall > 0 else None
+        return out
+
+
+@contextlib.contextmanager
+def checkpoint_stall() -> Iterator[None]:
+    """Count the block as a checkpoint stall of the running clock (see the module
+    docstring); wrap the part of a save that keeps training waiting."""
+    clock = _active
+    if clock is None or threading.get_ident() != clock._thread or clock.current == "checkpoint":
+        yield
+        return
+    with clock.phase("checkpoint"):
+        yield
+
+
+def describe(split: dict[str, Any]) -> str:
+    """One line of the split: ``"<wall> s: start-up <s> s, ..., goodput <g>%"``."""
+    names = {"startup": "start-up", "compilation": "compilation", "training": "training steps",
+             "evaluation": "evaluation", "sampling": "sampling", "checkpoint": "checkpoint stalls",
+             "other": "other"}
+    parts = ", ".join(f"{names[p]} {split[f'{p}_s']:.1f} s" for p in PHASES)
+    goodput = split.get("goodput")
+    tail = f"; goodput {goodput:.1%}" if goodput is not None else ""
+    return f"{split['wall_s']:.1f} s: {parts}{tail}"

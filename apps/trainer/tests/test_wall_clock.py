@@ -1,0 +1,122 @@
+"""Where a run's wall clock goes: the phases add up to the wall clock, goodput is in (0, 1],
+checkpoint stalls are counted once and only on the training thread, and a tiny run's
+summary and metrics carry the split."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab2_trainer import wall_clock
+from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.launch import DistContext
+from lab2_trainer.train import Trainer
+from lab2_trainer.wall_clock import PHASES, WallClock, checkpoint_stall
+
+torch.set_num_threads(1)
+
+
+def tiny_settings(data: Path, out: Path, **overrides) -> TrainSettings:
+    model = ModelConfig(context_length=16, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    fields = dict(model=model, data=str(data), steps=6, batch_size=4, lr=1e-2, min_lr=1e-3,
+                  warmup=2, eval_every=3, eval_batches=1, out=str(out), sample_tokens=8,
+                  quiet=True, plot=False, ddp="none", sharding="none", seed=0, log_every=2,
+                  ckpt_every=3)
+    fields.update(overrides)
+    return TrainSettings(**fields).validate(1)
+
+
+def assert_adds_up(split: dict, wall: float | None = None) -> None:
+    assert set(split) == {"wall_s", "goodput", *(f"{p}_s" for p in PHASES)}
+    parts = [split[f"{p}_s"] for p in PHASES]
+    assert all(part >= 0 for part in parts), split
+    assert sum(parts) == pytest.approx(split["wall_s"], rel=1e-9, abs=1e-9)
+    assert 0 < split["goodput"] <= 1
+    assert split["goodput"] == pytest.approx(split["training_s"] / split["wall_s"])
+    if wall is not None:
+        assert split["wall_s"] == pytest.approx(wall, abs=0.25), split
+
+
+def test_phases_add_up_and_compilation_is_carved_out_of_training():
+    clock = WallClock(start=time.time() - 2.0)  # launched two seconds ago
+    clock.switch("training")
+    time.sleep(0.05)
+    with clock.phase("evaluation"):
+        time.sleep(0.02)
+    assert clock.current == "training"
+    split = clock.split(first_step_s=0.03, steady_step_s=0.01)
+    assert split["startup_s"] == pytest.approx(2.0, abs=0.05)
+    assert split["evaluation_s"] >= 0.02
+    assert split["compilation_s"] == pytest.approx(0.02)
+    assert split["training_s"] >= 0.05 - 0.02
+    assert_adds_up(split)
+    # No steady step yet: nothing is carved out.
+    assert clock.split(first_step_s=0.03)["compilation_s"] == 0.0
+
+
+def test_bad_phase_is_refused():
+    with pytest.raises(ValueError, match="compilation is carved out"):
+        WallClock().switch("compilation")
+    with pytest.raises(ValueError, match="phase must be one of"):
+        WallClock().switch("lunch")
+
+
+def test_checkpoint_stall_counts_once_on_the_training_thread_only():
+    clock = WallClock()
+    clock.switch("training")
+    with checkpoint_stall():  # no running clock: nothing counted, nothing raised
+        pass
+    with clock.active():
+        with checkpoint_stall():
+            with checkpoint_stall():  # nested: counted once
+                time.sleep(0.03)
+            assert clock.current == "checkpoint"
+        assert clock.current == "training"
+
+        def writer():  # a background writer's stall is not the loop's
+            with checkpoint_stall():
+                time.sleep(0.03)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+    assert wall_clock._active is None
+    split = clock.split()
+    assert 0.03 <= split["checkpoint_s"] < 0.06, split
+
+
+def test_a_run_reports_where_its_wall_clock_went(corpus_dir, tmp_path, monkeypatch):
+    # A slow checkpoint write: the stall must show as checkpoint time, not training.
+    save = Trainer.save_checkpoint
+
+    def slow_save(self, path):
+        time.sleep(0.2)
+        save(self, path)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", slow_save)
+    wall_clock.mark_launch()
+    began = time.time()
+    summary = Trainer(tiny_settings(corpus_dir, tmp_path / "run"), DistContext()).run()
+    split = summary["wall_clock"]
+    assert_adds_up(split, wall=time.time() - began)
+    assert split["checkpoint_s"] >= 2 * 0.2  # saves at steps 3 and 6
+    for phase in ("startup", "training", "evaluation", "sampling"):
+        assert split[f"{phase}_s"] > 0, phase
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["wall_clock"]["goodput"] == pytest.approx(split["goodput"], rel=0.05)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    # The first step is fetched alone (it holds the compilation), then every log step.
+    logged = [r["step"] for r in records if "wall_clock" in r]
+    assert logged == [1, 2, 3, 4, 6]
+    for record in records:
+        if "wall_clock" in record:
+            assert_adds_up(record["wall_clock"])
+    # Compilation is the first step less a steady one (the mean of the steps after it).
+    steady = sum(r["step_seconds"] for r in records[1:]) / len(records[1:])
+    assert split["compilation_s"] == pytest.approx(
+        max(0.0, records[0]["step_seconds"] - steady), rel=1e-2, abs=1e-3)
