@@ -361,7 +361,16 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(exc))
         if under_torchrun:
             # The rank entry of a local run too (spawn_local): one launch path.
-            return launch.run_rank(train, (settings,), device_type, timeout_s)
+            code = launch.run_rank(train, (settings,), device_type, timeout_s)
+            if code:
+                # A failed or stopped rank ends at once, as a local one does: not through
+                # the interpreter's shutdown, where Gloo's threads may still be running.
+                if claim is not None:
+                    claim.release()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            return code
         if world_size > 1:
             if device_type == "cpu":
                 _preload(settings)
@@ -478,6 +487,13 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
         train(launch.DistContext(device=device), settings)
     except UsageError as exc:
         return _error(str(exc))
+    except Exception as exc:
+        from lab2_trainer.run_folder import write_failure
+
+        if write_failure(exc) is None:
+            raise
+        print(f"lab2-train: error: {write_failure(exc)}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     finally:
         if need_group and launch.dist.is_initialized():
             launch.dist.destroy_process_group()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
+from lab2_trainer.run_folder import write_failure
 from lab2_trainer.supervise import (
     FAILED,
     PEER_LOST,
@@ -193,12 +194,19 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
             if folder is None:
                 _say(f"rank {rank} stopped: another rank closed its connection "
                      "mid-collective")
+        elif write_failure(exc) is not None:  # a full disk: one line, not a traceback
+            guard.mark(FAILED)
+            _say(f"rank {rank} failed: {write_failure(exc)}")
         else:
             guard.mark(FAILED)
             _say(f"rank {rank} failed:\n{traceback.format_exc()}")
         return 1
     finally:
         guard.stop(signalled=signalled)
+        if guard.orphaned and folder is None and os.environ.get("LOCAL_RANK", "0") == "0":
+            # torchrun's agent (which hosts the store) is gone: its ranks stop; one says so.
+            _say(f"rank {rank} stopped: its launcher, torchrun's agent (pid "
+                 f"{guard.parent_pid}), is gone; the ranks of this node stop with it")
 
 
 def _local_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: float,

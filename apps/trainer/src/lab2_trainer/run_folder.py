@@ -440,3 +440,23 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """:func:`atomic_write` of UTF-8 text."""
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+#: Errors of a write that the machine refused: a full disk or quota, a file over the size
+#: limit, a read-only file system, an I/O error.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """The one line that says ``exc`` is a write the machine refused (found anywhere in its
+    chain: torch.save wraps the OSError in a RuntimeError), or None when it is not."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return (f"a write failed: {exc.strerror or os.strerror(exc.errno)}{where}; files "
+                    "are written atomically, so what was there before is intact")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
