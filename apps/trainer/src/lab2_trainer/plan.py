@@ -78,8 +78,9 @@ class Hardware:
     peak_tflops: float = setting(989.0, group="machine")
     """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
     efficiency: float = setting(0.53, group="machine")
-    """Fraction of the peak the hardware FLOPs reach (measured on one H200: the README's
-    planner section)."""
+    """Fraction of the peak the hardware FLOPs reach: fitted to one run measured on one
+    H200, whose step-time error is therefore in-sample (the README's planner section lists
+    the out-of-sample checks)."""
     nvlink_gbs: float = setting(450.0, group="machine")
     """Bandwidth per GPU and direction within a node, GB/s."""
     ib_gbits: float = setting(400.0, group="machine")
@@ -464,7 +465,8 @@ def assumptions(p: PlanInput) -> list[str]:
         "fp32; peak at the start of the backward (or in the optimizer step when gradients "
         "outweigh activations)",
         f"compute at {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (hardware FLOPs, "
-        "recompute included; 53% measured: xl 32 x 512 compiled, one H200)",
+        "recompute included; the default 53% is fitted to xl 32 x 512 compiled on one H200: "
+        "an in-sample figure there, out-of-sample checks in the README)",
         f"ring collectives: NVLink {hw.nvlink_gbs:g} GB/s per GPU within a node, "
         f"InfiniBand {hw.ib_gbits:g} Gb/s per GPU between nodes (the slowest link sets a "
         f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",
