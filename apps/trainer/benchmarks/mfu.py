@@ -44,8 +44,8 @@ from lab2_trainer.report import (
     matmul_parameters,
     mfu,
     recompute_flops_per_token,
-    training_flops_per_token,
 )
+from lab2_trainer.shapes import training_flops_per_token
 from lab2bench.timing import measure as measure_time
 
 STACKS = {  # norm (None: the preset's), the trainer's --ddp and --sharding

@@ -15,8 +15,8 @@ from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
-from lab2_trainer.plan import flops_per_token
-from lab2_trainer.report import block_matmul_parameters, recompute_flops_per_token
+from lab2_trainer.report import recompute_flops_per_token
+from lab2_trainer.shapes import block_matmul_parameters, flops_per_token
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)
@@ -165,12 +165,13 @@ def test_selective_falls_back_to_every_other_block_without_the_policy_api(monkey
     x = torch.randint(0, config.vocab_size, (2, 8))
     grads = {}
     for kind in ("none", "selective"):
-        model = TransformerLM(config, activation_checkpointing=kind)
-        if kind == "selective":
+        if kind == "selective":  # said when the model is set up, before any step
             with pytest.warns(UserWarning, match="every other block"):
-                loss = model(x, x)[1]
+                model = TransformerLM(config, activation_checkpointing=kind)
+            assert [b.checkpointing for b in model.blocks] == ["full", "none", "full"]
         else:
-            loss = model(x, x)[1]
+            model = TransformerLM(config, activation_checkpointing=kind)
+        loss = model(x, x)[1]
         loss.backward()
         grads[kind] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.equal(grads["none"], grads["selective"])

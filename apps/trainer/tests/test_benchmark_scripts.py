@@ -50,3 +50,22 @@ def test_mfu_refuses_a_bad_configuration():
     done = subprocess.run([sys.executable, str(SCRIPTS / "mfu.py"), "--device", "cpu",
                            "--configs", "medium:8"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "bad configuration 'medium:8'" in done.stderr
+
+
+def test_compile_time_measures_a_scope_in_a_fresh_process(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "compile_time.py"), "--device", "cpu", "--scopes",
+         "blocks", "--backend", "eager", "--rounds", "1", "--warmup", "0", "--steps", "1",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (record,) = read_records(tmp_path / "compile_time.jsonl")
+    figures = record["metrics"]
+    assert figures["graphs"] == 4  # embedding, head, the first block and the other one
+    assert figures["time_to_first_step_s"] > figures["first_step_s"] > 0
+    assert "| blocks | 1 |" in (tmp_path / "compile_time.md").read_text()
+
+
+def test_compile_time_refuses_a_bad_scope():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "compile_time.py"), "--device", "cpu",
+                           "--scopes", "layers"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown scope(s) layers" in done.stderr

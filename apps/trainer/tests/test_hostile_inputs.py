@@ -157,7 +157,8 @@ def test_3_absurd_layer_counts_are_refused_at_once(capsys, monkeypatch, tmp_path
 
 def test_3_the_parameter_count_is_the_model_s():
     from lab2_trainer.config import model_config
-    from lab2_trainer.validate_inputs import parameter_count, shape_model
+    from lab2_trainer.shapes import parameter_count
+    from lab2_trainer.validate_inputs import shape_model
 
     for norm in ("tritonnorm", "layernorm"):
         for ffn in ("swiglu", "gelu"):

@@ -17,8 +17,8 @@ from lab2_trainer.report import (
     matmul_parameters,
     mfu,
     peak_for_name,
-    training_flops_per_token,
 )
+from lab2_trainer.shapes import training_flops_per_token
 from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)

@@ -26,11 +26,11 @@ from lab2_trainer.plan import (
     final_activation_bytes,
     layer_activation_bytes,
     memory_items,
-    parameter_counts,
     plan,
     step_time,
 )
-from lab2_trainer.validate_inputs import shape_model, training_state_parts
+from lab2_trainer.shapes import parameter_counts, training_state_parts
+from lab2_trainer.validate_inputs import shape_model
 
 torch.set_num_threads(1)
 

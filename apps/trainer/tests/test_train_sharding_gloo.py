@@ -164,20 +164,20 @@ def _compiled_rank(rank, world_size, data, out):
         trainer = Trainer(s, ctx)
         trainer.run()
         results[kind] = {"params": params_of(trainer),
-                         "compiled_module": type(trainer.eval_module).__name__,
+                         "regions_compiled": trainer.model.regions_compiled,
                          "frames": sum(torch._dynamo.utils.counters["frames"].values())}
     return results
 
 
 def test_compiled_zero2_and_fsdp_match_one_process(world_size, corpus_dir, tmp_path):
-    """The bare model compiled (``aot_eager``: traced and partitioned as inductor does,
-    without generating code), then sharded: zero1's gradient hooks on the parameters and
-    FSDP2's module hooks still fire around the compiled graphs."""
+    """The bare model compiled block by block (``aot_eager``: traced and partitioned as
+    inductor does, without generating code), then sharded: zero1's gradient hooks on the
+    parameters and FSDP2's module hooks still fire around the compiled graphs."""
     reference = Trainer(tiny_settings(corpus_dir, tmp_path / "ref"), DistContext())
     reference.run()
     expected = params_of(reference)
     per_rank = run_ranks(_compiled_rank, world_size, str(corpus_dir), str(tmp_path),
                          timeout=300)
     for kind, res in per_rank[0].items():
-        assert res["compiled_module"] == "OptimizedModule" and res["frames"] > 0, kind
+        assert res["regions_compiled"] and res["frames"] > 0, kind
         assert relative_error(expected, res["params"]) < 1e-5, kind

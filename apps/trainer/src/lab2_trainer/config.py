@@ -249,6 +249,8 @@ SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
 SELF_REDUCING = ("zero1", "zero2", "fsdp")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: What ``--compile`` compiles (``TrainSettings.compile_scope``).
+COMPILE_SCOPES = ("blocks", "model")
 #: Which thread runs backward (``TrainSettings.backward_thread``).
 BACKWARD_THREADS = ("caller", "autograd")
 #: What the backward recomputes (``TrainSettings.activation_checkpointing``).
@@ -314,7 +316,11 @@ class TrainSettings:
     precision: str = setting("fp32", choices=tuple(PRECISIONS), group="optimisation")
     """Autocast precision of the forward pass."""
     compile: bool = setting(False, group="optimisation")
-    """Wrap the model in ``torch.compile``."""
+    """Compile the model with ``torch.compile`` (what --compile-scope says)."""
+    compile_scope: str = setting("blocks", choices=COMPILE_SCOPES, group="optimisation")
+    """What --compile compiles: "blocks" (regional compilation: each block on its own, one
+    graph serving every block, and the embedding and the head; compiles in seconds) or
+    "model" (the whole model as one graph, compiling every block's copy)."""
     compile_backend: str = setting("inductor", group="optimisation")
     """torch.compile's backend ("aot_eager" compiles in seconds and needs no C compiler)."""
     compile_mode: str | None = setting(None, group="optimisation", default_text="none")
@@ -423,6 +429,7 @@ class TrainSettings:
             _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
         _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
         _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        _one_of(flag("compile_scope"), self.compile_scope, COMPILE_SCOPES)
         _one_of(flag("backward_thread"), self.backward_thread, BACKWARD_THREADS)
         _one_of(flag("activation_checkpointing"), self.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)

@@ -42,6 +42,7 @@ from lab2_trainer.supervise import (
     make_watch_folder,
     signal_name,
 )
+from lab2bench._process import threads_per_rank
 
 
 # ------------------------------------------------------------ process setup and launch
@@ -135,13 +136,6 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
 
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-def threads_per_rank(world_size: int) -> int:
-    """Intra-op threads each CPU rank should use so that ranks do not oversubscribe the
-    cores (on 2 cores with 2 ranks: 1 thread each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, world_size))
 
 
 def _say(line: str) -> None:

@@ -35,17 +35,20 @@ kinds (:data:`~lab2_trainer.config.ACTIVATION_CHECKPOINTING`):
   in full (with a warning), and :func:`selective_kind` says so.
 
 Gradients are reduced once: the DDP wrappers' and zero1's hooks are post-accumulate-grad
-hooks on the parameters, and a recomputed forward accumulates no gradient; FSDP2's
-forward hooks do nothing while its backward is running (the recompute's gathers are its
-pre-backward hook's).
+hooks on the parameters, and a recomputed forward accumulates no gradient. The checkpoint
+is taken inside each block's forward (:meth:`Block.forward`), so module hooks (FSDP2's)
+run around it and never in the recompute, whose parameters FSDP2's pre-backward hook has
+gathered; and a compiled block holds its checkpoint in its graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -196,7 +199,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder block."""
+    """One pre-norm decoder block.
+
+    Attributes:
+        checkpointing: how its forward is checkpointed while gradients are recorded:
+            "none", "full" or "selective" (set by :class:`TransformerLM` from its
+            ``activation_checkpointing``). The checkpoint is inside the block's forward,
+            so that a compiled block (regional compilation) holds it in its graph and a
+            module hook (FSDP2's) runs outside it.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -204,15 +215,27 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.norm2 = make_norm(config.norm, config.d_model, config.eps)
         self.ffn = FeedForward(config)
+        self.checkpointing = "none"
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block on the residual stream ``x``, to which the previous block's last
-        branch output ``pending`` is still to be added (None for the first block).
+        branch output ``pending`` is still to be added (None for the first block),
+        checkpointed as ``checkpointing`` says (:meth:`body` is what runs).
 
         Returns ``(x, pending)`` for the next block: the feed-forward output is added by
         the next norm, so every residual add fuses with a norm.
         """
+        if self.checkpointing == "none" or not torch.is_grad_enabled():
+            return self.body(x, pending)
+        if self.checkpointing == "full":
+            return _ckpt.checkpoint(self.body, x, pending, use_reentrant=False)
+        return _ckpt.checkpoint(self.body, x, pending, use_reentrant=False,
+                                context_fn=_POLICY_CONTEXT)
+
+    def body(self, x: torch.Tensor, pending: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's computation (:meth:`forward` without the checkpoint)."""
         h, x = add_and_norm(self.norm1, x, pending)
         h, x = add_and_norm(self.norm2, x, self.attn(h))
         return x, self.ffn(h)
@@ -227,18 +250,28 @@ class TransformerLM(nn.Module):
             the same device type, independent of the global random state.
         device: where to build the parameters.
         activation_checkpointing: "none", "full" or "selective"
-            (:func:`run_block`); an attribute of the same name, which may
+            (:func:`block_checkpointing`); an attribute of the same name, which may
             be changed later. It changes what the backward keeps, not the results.
+
+    :meth:`compile_regions` compiles the model region by region (regional compilation):
+    each block on its own, so that one compiled graph serves every block, and the
+    embedding and the head as functions. Decoding (:meth:`generate`,
+    :meth:`forward_cached`) always runs uncompiled.
     """
 
     def __init__(self, config: ModelConfig, *, seed: int = 0, device=None,
                  activation_checkpointing: str = "none") -> None:
         super().__init__()
         self.config = config.validate()
-        self.activation_checkpointing = check_kind(activation_checkpointing)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, device=device)
         self.pos_emb = nn.Embedding(config.context_length, config.d_model, device=device)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.activation_checkpointing = activation_checkpointing
+        # The compiled embedding and head of compile_regions (None: the plain methods).
+        self._compiled_embed: Callable | None = None
+        self._compiled_head: Callable | None = None
+        self.regions_compiled = False
+        """Whether :meth:`compile_regions` has compiled the model."""
         self.norm_f = make_norm(config.norm, config.d_model, config.eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -246,6 +279,36 @@ class TransformerLM(nn.Module):
         if device is not None:
             self.to(device)
         self.reset_parameters(seed)
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """What the blocks' backward recomputes (setting it sets each block's
+        ``checkpointing``)."""
+        return self._activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, kind: str) -> None:
+        self._activation_checkpointing = check_kind(kind)
+        for i, block in enumerate(self.blocks):
+            block.checkpointing = block_checkpointing(kind, i)
+
+    def compile_regions(self, **options: Any) -> None:
+        """Compile each block (``nn.Module.compile``, in place) and the embedding and the
+        head (as functions) with ``torch.compile(**options)``.
+
+        The blocks are identical modules running the same code, and dynamo guards on what
+        a module holds rather than on which module it is (``nn.Module`` attributes and
+        parameters are the graph's inputs), so every block after the first runs the
+        graph compiled for the second block: two graphs (the first block has no pending
+        branch to add) serve every depth, and compilation takes about as long for 48
+        blocks as for 2. Activation checkpointing is inside the compiled graph
+        (:meth:`Block.forward`); FSDP2's and the DDP wrappers' hooks run around it.
+        """
+        for block in self.blocks:
+            block.compile(**options)
+        self._compiled_embed = torch.compile(self.embed, **options)
+        self._compiled_head = torch.compile(self.head, **options)
+        self.regions_compiled = True
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -297,9 +360,18 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"sequence length {t} exceeds context_length {self.config.context_length}"
             )
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
-        logits = self.lm_head(add_and_norm(self.norm_f, *self._run_blocks(x))[0])
+        x = (self._compiled_embed or self.embed)(idx)
+        return (self._compiled_head or self.head)(*self._run_blocks(x), targets)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings of ``idx`` (B, T), positions from 0."""
+        pos = torch.arange(idx.shape[-1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+    def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
+        """The final norm (adding the last block's ``pending`` branch), the LM head, and
+        with ``targets`` the mean cross-entropy: :meth:`forward`'s return value."""
+        logits = self.lm_head(add_and_norm(self.norm_f, x, pending)[0])
         if targets is None:
             return logits
         # Cross-entropy in float32 even under autocast: the log-softmax over the
@@ -342,7 +414,9 @@ class TransformerLM(nn.Module):
         for attn, kv in zip(layers, cache.layers):
             attn.kv = kv
         try:
-            x, pending = self._run_blocks(x)
+            # Compiled blocks run as plain code here: every new length would recompile.
+            with uncompiled():
+                x, pending = self._run_blocks(x)
         finally:
             for attn in layers:
                 attn.kv = None
@@ -353,9 +427,8 @@ class TransformerLM(nn.Module):
         """The blocks over the embedded input: (residual stream, last block's feed-forward
         output, still to be added by the final norm)."""
         pending = None
-        kind = self.activation_checkpointing
-        for i, block in enumerate(self.blocks):
-            x, pending = run_block(block, i, kind, x, pending)
+        for block in self.blocks:
+            x, pending = block(x, pending)
         return x, pending
 
     @torch.no_grad()
@@ -397,7 +470,9 @@ class TransformerLM(nn.Module):
             cache = self.new_kv_cache() if use_cache else None
             for i in range(max_new_tokens):
                 if cache is None:
-                    logits = self(idx[:, -context:])[:, -1, :]
+                    # Compiled regions run as plain code: the length changes every token.
+                    with uncompiled():
+                        logits = self(idx[:, -context:])[:, -1, :]
                 elif i == 0:
                     logits = self.forward_cached(idx[:, -context:], cache)
                 elif cache.free == 0:
@@ -559,26 +634,27 @@ def check_kind(kind: str) -> str:
 _warned = False
 
 
-def run_block(block: nn.Module, index: int, kind: str, *args: torch.Tensor | None) -> Any:
-    """``block(*args)``, checkpointed as ``kind`` says (block ``index`` counts for the
-    every-other-block fallback). Without gradients (evaluation, sampling) the block runs
-    plainly."""
-    if kind == "none" or not torch.is_grad_enabled():
-        return block(*args)
-    if kind == "full":
-        return _ckpt.checkpoint(block, *args, use_reentrant=False)
-    if has_op_policy():
-        return _ckpt.checkpoint(block, *args, use_reentrant=False,
-                                context_fn=_POLICY_CONTEXT)
+def block_checkpointing(kind: str, index: int) -> str:
+    """How block ``index`` is checkpointed when the model's kind is ``kind``: ``kind``
+    itself, except for "selective" on a torch without the op-level policy, which falls
+    back to "full" on every other block (with a warning) and "none" on the rest."""
+    check_kind(kind)
+    if kind != "selective" or has_op_policy():
+        return kind
     global _warned
     if not _warned:
         _warned = True
         warnings.warn("this torch has no create_selective_checkpoint_contexts: "
                       "--activation-checkpointing selective checkpoints every other block "
-                      "in full instead", stacklevel=2)
-    if index % 2 == 0:
-        return _ckpt.checkpoint(block, *args, use_reentrant=False)
-    return block(*args)
+                      "in full instead", stacklevel=3)
+    return "full" if index % 2 == 0 else "none"
+
+
+def uncompiled() -> AbstractContextManager:
+    """A context in which compiled functions and modules run as plain code
+    (``torch.compiler.set_stance("force_eager")``; nothing on a torch without it)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def recomputed_blocks(kind: str, n_layers: int) -> int:

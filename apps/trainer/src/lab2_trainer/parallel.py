@@ -1,12 +1,12 @@
 """The data-parallel and sharding choices of a run, applied by one function.
 
 :func:`parallelize` sets up a bare model for training in a fixed order (as torchtitan's
-``parallelize.py`` does): compilation first (``torch.compile`` of the bare model), then
-data parallelism and sharding (a DDP wrapper, zero1's gradient hooks, or FSDP2's
-``fully_shard``), then the optimizer. It returns a :class:`Parallel`, which is what the
-training step needs: ``forward``, ``no_sync()``, ``finish()``, ``clip_grad_norm_`` and the
-optimizer, plus the full (unsharded) model and optimizer state for checkpoints, in the
-trainer's one format whatever the kind.
+``parallelize.py`` does): compilation first (each block of the bare model on its own, or
+the whole model), then data parallelism and sharding (a DDP wrapper, zero1's gradient
+hooks, or FSDP2's ``fully_shard``), then the optimizer. It returns a :class:`Parallel`,
+which is what the training step needs: ``forward``, ``no_sync()``, ``finish()``,
+``clip_grad_norm_`` and the optimizer, plus the full (unsharded) model and optimizer state
+for checkpoints, in the trainer's one format whatever the kind.
 
 :class:`GradSync` hides which DDP wrapper averages gradients (minddp's four, PyTorch's
 DistributedDataParallel, or none); :func:`build_optimizer` builds AdamW plain, sharded by
@@ -398,10 +398,10 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     """Set ``model`` up for training: the one place that applies parallelism, in a fixed
     order.
 
-    1. Compilation: with ``compile`` (``{"backend": ..., "mode": ...}``), the bare model
-       goes through ``torch.compile``; everything after wraps or hooks the bare model's
-       modules and parameters, so the DDP wrappers' and zero1's gradient hooks and FSDP2's
-       module hooks still fire around the compiled graphs.
+    1. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
+       is compiled block by block, or whole; everything after wraps or hooks the bare
+       model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
+       and FSDP2's module hooks still fire around the compiled graphs.
     2. Data parallelism / sharding:
        - "zero1", "zero2", "fsdp": no DDP wrapper; the ranks' models are checked to agree
          (``minddp.check_model_consistency``) and rank 0's parameters and buffers are
@@ -417,7 +417,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
         ddp: one of ``settings.DDP_KINDS`` ("none" with zero1, zero2 and fsdp).
         device: this rank's device.
         lr, betas, weight_decay, fused: AdamW's.
-        compile: torch.compile's backend and mode, or None.
+        compile: torch.compile's backend and mode and the scope (:func:`compile_model`),
+            or None.
         forward: an already wrapped forward module (the bench's, when it compiles itself);
             exclusive with ``compile``.
         bucket_mb, bucket_rule: DDP's buckets and zero1/zero2's.
@@ -432,8 +433,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     # 1. Compilation of the bare model.
     forward_module = model if forward is None else forward
     if compile is not None:
-        forward_module = torch.compile(model, backend=compile.get("backend", "inductor"),
-                                       mode=compile.get("mode"))
+        forward_module = compile_model(model, **compile)
     # 2. Data parallelism / sharding.
     if sharding in SELF_REDUCING:
         if dist.is_available() and dist.is_initialized():
@@ -449,6 +449,26 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     optimizer = build_optimizer(model, sharding, lr=lr, betas=betas, weight_decay=weight_decay,
                                 fused=fused, bucket_mb=bucket_mb, bucket_rule=bucket_rule)
     return Parallel(model, sharding, ddp, sync, optimizer, eval_module=forward_module)
+
+
+def compile_model(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
+                  scope: str = "blocks") -> nn.Module:
+    """Compile ``model`` with ``torch.compile(backend=, mode=)``; returns what the training
+    forward calls.
+
+    Args:
+        scope: "blocks": regional compilation, in place
+            (``TransformerLM.compile_regions``: each block on its own, one graph serving
+            every block, and the embedding and the head); the model itself is returned.
+            "model": the whole model as one graph (``torch.compile(model)``, a wrapper;
+            the model itself stays uncompiled).
+    """
+    if scope == "blocks":
+        model.compile_regions(backend=backend, mode=mode)
+        return model
+    if scope == "model":
+        return torch.compile(model, backend=backend, mode=mode)
+    raise ValueError(f"compile scope must be 'blocks' or 'model', got {scope!r}")
 
 
 def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: bool) -> None:

@@ -6,7 +6,7 @@ Memory, per GPU, item by item (:func:`memory_items`):
 
 * **parameters, gradients, optimizer state**: fp32 weights, fp32 gradients and AdamW's two
   fp32 moments, sharded as ``--sharding`` shards them: the trainer's one formula,
-  :func:`lab2_trainer.validate_inputs.training_state_parts`;
+  :func:`lab2_trainer.shapes.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
   fsdp the gathered weights of the block running and the one prefetched; PyTorch's
@@ -32,7 +32,7 @@ produces the gradients, so the larger of the two counts. Where the gradients per
 (``grad_accum`` > 1), both count.
 
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
-:func:`lab2_trainer.report.training_flops_per_token`'s ``6 N + 12 L d T``, plus the
+:func:`lab2_trainer.shapes.flops_per_token`'s ``6 N + 12 L d T``, plus the
 recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
 (:attr:`Hardware.efficiency`); and the communication of the sharding kind,
 from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
@@ -61,7 +61,7 @@ from lab2_trainer.config import (
     default_layout,
     setting,
 )
-from lab2_trainer.validate_inputs import training_state_parts
+from lab2_trainer.shapes import flops_per_token, parameter_counts, training_state_parts
 
 GIB = 1024**3
 #: Bytes per element of each precision's autocast dtype (fp32: no autocast).
@@ -187,29 +187,6 @@ class PlanInput:
         if self.hardware.overlap > 1:
             raise ValueError(f"--overlap must be in [0, 1], got {self.hardware.overlap}")
         return self
-
-
-# ------------------------------------------------------------------------- parameters
-def parameter_counts(config: ModelConfig) -> dict[str, int]:
-    """The model's parameters by kind, as :class:`lab2_trainer.model.TransformerLM` builds
-    them: ``block`` (one block's), ``blocks``, ``embeddings`` (token and position tables),
-    ``head`` (the LM head, 0 when tied), ``norms`` (the final norm) and ``total``;
-    ``matmul`` is what takes part in matrix products (``lab2_trainer.report``'s N)."""
-    d, f = config.d_model, config.d_ff
-    norm = 2 * d if config.norm == "layernorm" else d  # LayerNorm has a bias
-    ffn = (3 if config.ffn == "swiglu" else 2) * d * f
-    block_matmul = 4 * d * d + ffn
-    block = block_matmul + 2 * norm
-    embeddings = (config.vocab_size + config.context_length) * d
-    head = 0 if config.tie_embeddings else config.vocab_size * d
-    total = config.n_layers * block + embeddings + head + norm
-    # lab2_trainer.report.matmul_parameters's N: all but the position table, and the token
-    # table unless it is the head.
-    matmul = total - config.context_length * d - (0 if config.tie_embeddings
-                                                  else config.vocab_size * d)
-    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
-            "embeddings": embeddings, "head": head, "norms": norm, "total": total,
-            "matmul": matmul}
 
 
 # ------------------------------------------------------------------------ activations
@@ -360,18 +337,6 @@ def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
 
 
 # -------------------------------------------------------------------------- step time
-def flops_per_token(config: ModelConfig, checkpointing: str) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) per token of a training step: ``6 N + 12 L d T``
-    (``lab2_trainer.report``), and that plus the recomputed forwards. The blocks the
-    recompute covers follow ``lab2_trainer.model``: all for full, none for the
-    op-level selective policy (this function assumes torch has it)."""
-    counts = parameter_counts(config)
-    model = 6 * counts["matmul"] + 12 * config.n_layers * config.d_model * config.context_length
-    blocks = config.n_layers if checkpointing == "full" else 0
-    recompute = blocks * (2 * counts["block_matmul"] + 4 * config.d_model * config.context_length)
-    return float(model), float(model + recompute)
-
-
 def _collective(kind: str, nbytes: float, world: int, bandwidth: float, latency: float,
                 calls: int) -> float:
     """Seconds of one collective kind over ``nbytes`` per rank, cut into ``calls`` calls:

@@ -1,25 +1,17 @@
 """What rank 0 shows and writes (progress bar, log lines, metrics.jsonl, loss curve,
 summary), and the model FLOPs utilisation it reports.
 
-**Model FLOPs utilisation**: the FLOPs a training step must do, over what the GPU could do.
-FLOPs per token of a training step (forward and backward), as in the PaLM paper's
-appendix B:
-
-    6 * N  +  12 * n_layers * d_model * context_length
-
-``N`` counts the parameters that take part in a matrix product: every parameter except
-the two embedding tables, which are lookups; the LM head counts, once even when tied to
-the token table. The second term is attention's own products (scores and the weighted sum
-of values), which have no parameters. A forward alone is a third of both terms. Recomputed
-activations, the optimizer and the norms are not counted: MFU measures useful work.
+**Model FLOPs utilisation**: the FLOPs a training step must do (model FLOPs per token,
+:func:`lab2_trainer.shapes.training_flops_per_token`: ``6 N + 12 n_layers d_model
+context_length``), over what the GPU could do. Recomputed activations, the optimizer and
+the norms are not counted: MFU measures useful work.
 
 The peak is the GPU's dense bf16 tensor throughput from the table :data:`PEAKS`, found by
 the device's name; on the CPU or an unknown GPU there is no peak, and MFU is reported as
 absent rather than guessed.
 
 Hardware FLOPs utilisation (HFU) counts what the GPU really computes, recomputation
-included: with activation checkpointing, the recomputed blocks' forward matrix products
-(``2 * N_block + 4 * d_model * context_length`` per block and token) are added to the
+included: with activation checkpointing, the recomputed blocks' forwards are added to the
 model FLOPs (:func:`recompute_flops_per_token`). Without recomputation HFU equals MFU.
 """
 
@@ -49,6 +41,7 @@ from torch import nn
 from lab2_trainer.config import ModelConfig
 from lab2_trainer.model import recomputed_blocks
 from lab2_trainer.run_folder import atomic_write, atomic_write_text
+from lab2_trainer.shapes import recompute_flops
 from lab2_trainer.wall_clock import describe as describe_wall_clock
 
 METRICS_NAME = "metrics.jsonl"
@@ -309,7 +302,8 @@ def device_label(device: torch.device | str) -> str:
 
 
 def matmul_parameters(model: nn.Module) -> int:
-    """Parameters taking part in matrix products (``N`` above) of a ``TransformerLM``."""
+    """Parameters taking part in matrix products (the ``N`` of
+    :mod:`lab2_trainer.shapes`) of a ``TransformerLM``."""
     total = sum(p.numel() for p in model.parameters())  # a tied weight comes once
     total -= model.pos_emb.weight.numel()
     if model.lm_head.weight is not model.tok_emb.weight:
@@ -317,26 +311,12 @@ def matmul_parameters(model: nn.Module) -> int:
     return total
 
 
-def training_flops_per_token(config: ModelConfig, n_matmul_params: int) -> float:
-    """FLOPs of one token's forward and backward (see the module docstring)."""
-    attention = 12 * config.n_layers * config.d_model * config.context_length
-    return 6 * n_matmul_params + attention
-
-
-def block_matmul_parameters(config: ModelConfig) -> int:
-    """Parameters of one decoder block's matrix products (attention's four projections and
-    the feed-forward's two or three matrices)."""
-    ffn = 3 if config.ffn == "swiglu" else 2
-    return 4 * config.d_model * config.d_model + ffn * config.d_model * config.d_ff
-
-
 def recompute_flops_per_token(config: ModelConfig, activation_checkpointing: str) -> float:
     """Forward FLOPs per token that activation checkpointing runs again in backward: the
     recomputed blocks' matrix products and attention products (none for "none" and for
     the op-level "selective" policy, which recomputes only elementwise work)."""
     blocks = recomputed_blocks(activation_checkpointing, config.n_layers)
-    per_block = 2 * block_matmul_parameters(config) + 4 * config.d_model * config.context_length
-    return float(blocks * per_block)
+    return recompute_flops(config, blocks)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None,
@@ -345,7 +325,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None,
 
     Args:
         tokens_per_s: tokens processed per second over all devices.
-        flops_per_token: from :func:`training_flops_per_token` (a third of it for forwards).
+        flops_per_token: from :func:`lab2_trainer.shapes.training_flops_per_token` (a
+            third of it for forwards).
         peak: the device's peak (None gives None).
         devices: how many devices shared the tokens.
     """

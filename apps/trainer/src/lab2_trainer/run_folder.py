@@ -21,32 +21,36 @@ A second run finds the file and tries the lock:
 
 **Atomic writes**: a reader, or a crash, sees the old file or the new one. Checkpoints,
 metrics, settings, plots and token caches are written to a temporary file in the target's
-folder, flushed to disk and renamed onto the target. The temporary file is named
-``.<name>.<pid>.tmp`` (``.<name>.<random>.<pid>.tmp`` when that name is taken), so that
-what an interrupted write left can be told by the pid of its writer
-(:func:`clean_stale_temporaries` removes such files); for a name near the system's limit
-the name's start and a hash of it stand for it, so that the temporary name fits wherever
-the target's does. Only an absent target or a regular file is replaced: a folder, a
-device, a FIFO or a socket in its place is refused (:class:`NotARegularFile`).
+folder, flushed to disk and renamed onto the target (``atomic_write``, shared with lab2bench
+in its internal ``lab2bench._process``). The temporary file is named ``.<name>.<pid>.tmp``
+(``.<name>.<random>.<pid>.tmp`` when that name is taken), so that what an interrupted write
+left can be told by the pid of its writer (:func:`clean_stale_temporaries` removes such
+files); it fits wherever the target's name fits, and only an absent target or a regular file
+is replaced (a folder, a device, a FIFO or a socket never is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
-import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from lab2_trainer.config import UsageError
+
+# Atomic writes and process start times: one copy, shared with lab2bench (standard library
+# only); the trainer's modules take the writers from here.
+from lab2bench._process import NotARegularFile as NotARegularFile
+from lab2bench._process import atomic_write as atomic_write
+from lab2bench._process import atomic_write_text as atomic_write_text
+from lab2bench._process import process_start
+from lab2bench._process import temp_name as temp_name
 
 try:
     import fcntl
@@ -62,16 +66,6 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Temporary files of interrupted atomic writes: .<name>[.<random>].<pid>.tmp (see
 # the atomic writes below), and .<stem>.<pid>.tmp.png of earlier versions.
 TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.png)?$")
-
-
-def process_start(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot; Linux), to tell a live
-    owner from an unrelated process that reuses its pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -332,114 +326,6 @@ def in_use_message(folder: str | os.PathLike, info: dict[str, Any] | None) -> st
     """The one line that refuses a run whose ``--out`` another run holds."""
     return (f"--out {folder} is in use by {_describe(info)}: wait for it to finish or choose "
             "another --out (nothing was written)")
-
-
-# ----------------------------------------------------------------------- atomic writes
-def _sync_folder(folder: Path) -> None:
-    """Flush a folder's entries (the rename) to disk, where the platform allows it."""
-    flag = getattr(os, "O_DIRECTORY", None)
-    if flag is None:
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY | flag)
-    except OSError:
-        return
-    with contextlib.suppress(OSError):
-        os.fsync(fd)
-    os.close(fd)
-
-
-class NotARegularFile(OSError):
-    """An atomic write's target is a folder, a device, a FIFO or a socket: never replaced."""
-
-
-#: The longest file name (bytes) most file systems take.
-NAME_MAX = 255
-
-
-def _check_target(target: Path) -> None:
-    """``target`` is absent or a regular file (a link is followed to see what it names).
-
-    Raises:
-        NotARegularFile: it is something else.
-    """
-    try:
-        mode = os.stat(target).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise NotARegularFile(_errno_for(mode), f"{target} is not a regular file; it is never "
-                              "replaced")
-
-
-def _errno_for(mode: int) -> int:
-    """EISDIR for a folder, else EEXIST: how a refused target reads as an ``OSError``."""
-    return errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST
-
-
-def temp_name(name: str, middle: str) -> str:
-    """``.<name>.<middle>.tmp``, kept within :data:`NAME_MAX` bytes: a long ``name`` is cut
-    and a hash of the whole name put after the cut."""
-    full = f".{name}.{middle}.tmp"
-    if len(os.fsencode(full)) <= NAME_MAX:
-        return full
-    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
-    room = NAME_MAX - len(os.fsencode(f"..{digest}.{middle}.tmp"))
-    stem = os.fsencode(name)[:room].decode("utf-8", errors="ignore")
-    return f".{stem}{digest}.{middle}.tmp"
-
-
-def temp_file_beside(target: str | os.PathLike[str]) -> str:
-    """Create an empty temporary file in ``target``'s folder (with the permissions a plain
-    ``open()`` gives) and return its path, for writers that take a path; rename it onto
-    ``target`` with ``os.replace`` once written.
-
-    Raises:
-        NotARegularFile: ``target`` is a folder, a device, a FIFO or a socket.
-    """
-    target = Path(target)
-    _check_target(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    pid = os.getpid()
-    for attempt in range(100):
-        middle = str(pid) if attempt == 0 else f"{secrets.token_hex(4)}.{pid}"
-        tmp = target.parent / temp_name(target.name, middle)
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
-        return str(tmp)
-    raise FileExistsError(f"no free temporary name beside {target}")
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
-    """Call ``write(f)`` on a temporary file beside ``path``, then put it in ``path``'s
-    place. When ``write`` raises (Ctrl-C included) the temporary file is removed and
-    ``path`` is untouched.
-
-    Raises:
-        NotARegularFile: ``path`` is a folder, a device, a FIFO or a socket.
-    """
-    target = Path(path)
-    tmp = temp_file_beside(target)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        _check_target(target)  # made a FIFO or a device meanwhile: still not replaced
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _sync_folder(target.parent)
-    return target
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """:func:`atomic_write` of UTF-8 text."""
-    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 #: Errors of a write that the machine refused: a full disk or quota, a file over the size

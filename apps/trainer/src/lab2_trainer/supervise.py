@@ -29,14 +29,10 @@ imports torch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import os
 import select
 import shutil
 import signal
-import socket
-import sys
 import tempfile
 import threading
 import time
@@ -44,10 +40,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab2_trainer.run_folder import atomic_write_text, process_start
+# The process helpers the trainer shares with lab2bench (standard library only);
+# OWNER_NAME is the file in a watch folder that names its launcher.
+from lab2bench._process import OWNER_NAME as OWNER_NAME
+from lab2bench._process import (
+    set_parent_death_signal,
+    sweep_stale_folders,
+    write_owner,
+)
 
 # ----------------------------------------------------------- signals and exit codes
-PR_SET_PDEATHSIG = 1
 HEARTBEAT_INTERVAL_S = 0.5
 #: An orphaned rank's orderly stop gets this long before ``os._exit``: with the heartbeat
 #: that notices the launcher gone, a rank is gone within 5 s of its launcher.
@@ -60,8 +62,6 @@ TIMED_OUT, PEER_LOST, FAILED = "timed-out", "peer-lost", "failed"
 
 #: Prefix of a local run's watch folder in the temporary folder.
 WATCH_PREFIX = "lab2-train-rdzv-"
-#: The file in a watch folder naming the launcher that made it (pid, host, start time).
-OWNER_NAME = "owner.json"
 
 
 class Terminated(KeyboardInterrupt):
@@ -121,17 +121,6 @@ def exit_code_for(interrupt: BaseException) -> int:
     return EXIT_TERMINATED if isinstance(interrupt, Terminated) else EXIT_INTERRUPTED
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies; False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 # -------------------------------------------------------------- why a collective failed
 #: How a collective reports that a peer went away (Gloo's TCP transport, NCCL).
 _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe",
@@ -175,54 +164,18 @@ def signal_name(number: int) -> str:
 
 
 # ------------------------------------------------------------------------ watch folder
-def _owner_gone(info: Any) -> bool:
-    """Whether the launcher an owner record names is gone (on this host)."""
-    if not isinstance(info, dict):
-        return False
-    pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive under another user, or cannot tell
-        return False
-    started, now = info.get("process_start"), process_start(pid)
-    return started is not None and now is not None and started != now
-
-
 def sweep_stale_watch_folders(root: str | None = None) -> list[str]:
     """Remove the watch folders of launchers that are gone (killed before they could
     remove them, with a rank that could not either); returns the paths removed. A folder
     without a readable owner record, or another host's, is left alone."""
-    root = root or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        entries = [e for e in os.scandir(root) if e.name.startswith(WATCH_PREFIX)]
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            info = json.loads(Path(entry.path, OWNER_NAME).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if _owner_gone(info):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.exists(entry.path):
-                removed.append(entry.path)
-    return removed
+    return sweep_stale_folders((WATCH_PREFIX,), root)
 
 
 def make_watch_folder() -> str:
     """A new watch folder naming this process as its owner (stale ones swept first)."""
     sweep_stale_watch_folders()
     folder = tempfile.mkdtemp(prefix=WATCH_PREFIX)
-    pid = os.getpid()
-    atomic_write_text(os.path.join(folder, OWNER_NAME), json.dumps(
-        {"pid": pid, "host": socket.gethostname(), "process_start": process_start(pid)}))
+    write_owner(folder)
     return folder
 
 

@@ -72,9 +72,9 @@ from lab2_trainer.report import (
     mfu,
     provenance,
     recompute_flops_per_token,
-    training_flops_per_token,
 )
 from lab2_trainer.run_folder import atomic_write_text
+from lab2_trainer.shapes import training_flops_per_token
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
@@ -231,8 +231,8 @@ class Trainer:
         # What the GPU computes: the model's FLOPs plus the recomputed forwards (HFU).
         self.hardware_flops_per_token = self.flops_per_token + recompute_flops_per_token(
             s.model, s.activation_checkpointing)
-        compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode} if s.compile
-                        else None)
+        compile_spec = ({"backend": s.compile_backend, "mode": s.compile_mode,
+                         "scope": s.compile_scope} if s.compile else None)
         self.parallel = parallelize(
             self.model, sharding=s.sharding, ddp=s.ddp, device=ctx.device, lr=s.lr,
             betas=(s.beta1, s.beta2), weight_decay=s.weight_decay,
@@ -554,7 +554,7 @@ class Trainer:
         if not s.compile:
             return ""
         mode = f", {s.compile_mode}" if s.compile_mode else ""
-        return f", compiled ({s.compile_backend}{mode})"
+        return f", compiled ({s.compile_backend}{mode}, {s.compile_scope})"
 
     def describe(self, entropy: float) -> str:
         """The opening lines: model, data, batch and parallel setup."""

@@ -15,7 +15,7 @@ starts: so that bad input costs one line on stderr, exit code 2, and no file wri
   line, not a traceback;
 * :func:`check_memory`: the model, its gradients and AdamW state (plus the logits of one
   micro-batch) fit the memory this machine has (a lower bound: a run refused here could
-  never have run), counted by arithmetic on the configuration (:func:`parameter_count`),
+  never have run), counted by arithmetic on the configuration (:mod:`lab2_trainer.shapes`),
   so that an absurd size is refused at once;
 * :func:`check_compile`: ``--compile-backend`` and ``--compile-mode`` are torch.compile's;
 * :func:`check_checkpoint_fits`: a checkpoint's model tensors, optimizer state (zero1's
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import INT_LIMIT, UsageError
+from lab2_trainer.shapes import parameter_count, training_state_bytes
 
 GIB = 1024**3
 # Per process: the interpreter, torch and the data maps (a lower bound).
@@ -299,19 +300,6 @@ def shape_model(config: Any):
         return _Shapes(config)
 
 
-def parameter_count(config: Any) -> int:
-    """The model's parameters, counted from its configuration with Python integers (no
-    tensor, no work per layer, no overflow, however absurd the sizes): embeddings, per
-    block two norms, attention's qkv and output matrices and the feed-forward's two or
-    three, the final norm and the LM head (once when tied)."""
-    d, f, layers = config.d_model, config.d_ff, config.n_layers
-    norm = 2 * d if config.norm == "layernorm" else d  # a LayerNorm has a bias too
-    ffn = (3 if config.ffn == "swiglu" else 2) * d * f
-    block = 2 * norm + 4 * d * d + ffn
-    head = 0 if config.tie_embeddings else config.vocab_size * d
-    return (config.vocab_size + config.context_length) * d + layers * block + norm + head
-
-
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit."""
     found: list[int] = []
@@ -344,43 +332,13 @@ def _fmt(n: int) -> str:
     return f"{tib:,.1f} TiB" if tib < 1e6 else f"{tib:.2g} TiB"  # absurd sizes stay short
 
 
-def training_state_parts(n: int, sharding: str, world_size: int,
-                         reshard_after_forward: bool = True) -> dict[str, int]:
-    """:func:`training_state_bytes` item by item: ``parameters``, ``gradients`` and
-    ``optimizer`` bytes per rank (the gathered weights of fsdp without resharding count
-    among the parameters)."""
-    shards = max(1, world_size)
-    params, grads, state = 4 * n, 4 * n, 8 * n // shards
-    if sharding == "none":
-        state = 8 * n
-    elif sharding == "zero2":
-        grads = 4 * n // shards
-    elif sharding == "fsdp":
-        params = 4 * n // shards + (0 if reshard_after_forward else 4 * n)
-        grads = 4 * n // shards
-    return {"parameters": params, "gradients": grads, "optimizer": state}
-
-
-def training_state_bytes(n: int, sharding: str, world_size: int,
-                         reshard_after_forward: bool = True) -> int:
-    """Bytes per rank of fp32 weights (4), gradients (4) and AdamW's two moments (8) of
-    ``n`` parameters, by sharding kind (a lower bound: no bucket or gathered block):
-
-    * none: 4 + 4 + 8 per parameter;
-    * zero1, zero1-allreduce, torch (state sharded): 4 + 4 + 8/N;
-    * zero2 (gradients sharded too): 4 + (4 + 8)/N;
-    * fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the whole
-      gathered weights (4) through the backward besides.
-    """
-    return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())
-
-
 def check_memory(settings: Any, world_size: int, device_type: str, *,
                  available: int | None = None) -> None:
     """Refuse a run whose model cannot fit: weights, gradients and AdamW's two moments in
-    fp32 (sharded over the ranks as :func:`training_state_bytes` says), the logits and
-    their gradient for one micro-batch, and the process itself. On the CPU every local
-    rank shares this machine's memory; on GPUs each rank needs it on its own device.
+    fp32 (sharded over the ranks as :func:`lab2_trainer.shapes.training_state_bytes`
+    says), the logits and their gradient for one micro-batch, and the process itself. On
+    the CPU every local rank shares this machine's memory; on GPUs each rank needs it on
+    its own device.
 
     Raises:
         UsageError: with the estimate and what is available.

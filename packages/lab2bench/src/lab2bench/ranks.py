@@ -15,15 +15,10 @@ folder is always removed, and one that a hard kill left anyway (it names its lau
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
-import socket
 import sys
 import tempfile
 import time
@@ -32,15 +27,21 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from lab2bench.records import atomic_write_text
+from lab2bench._process import (
+    OWNER_NAME,
+    set_parent_death_signal,
+    sweep_stale_folders,
+    threads_per_rank,
+    write_owner,
+)
 
 #: Modules the forkserver always imports before forking ranks.
 BASE_PRELOAD = ("torch", "torch.distributed", "lab2bench.ranks")
-#: The file in every rendezvous folder that names the launcher which made it (pid, host,
-#: the pid's start time), so that a later launcher can tell a dead run's folder.
-OWNER_NAME = "owner.json"
+#: The ``kind`` of this launcher's owner records (:data:`OWNER_NAME` in every rendezvous
+#: folder names the launcher that made it, so that a later launcher can tell a dead run's).
 _OWNER_KIND = "lab2bench.ranks.RankGroup rendezvous"
-PR_SET_PDEATHSIG = 1
+__all__ = ["OWNER_NAME", "RankError", "RankGroup", "ping", "spawn_ranks",
+           "sweep_stale_rendezvous", "threads_per_rank"]
 
 
 class RankError(RuntimeError):
@@ -64,71 +65,17 @@ class RankError(RuntimeError):
         return self.ranks[0] if self.ranks else None
 
 
-def threads_per_rank(world_size: int) -> int:
-    """Intra-op threads each CPU rank should use so ranks do not oversubscribe the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, world_size))
-
-
-def _process_start(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (Linux), which tells a live owner from a later
-    process that reuses its pid; None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _owner_gone(info: Any) -> bool:
-    """Whether the launcher an owner record names is gone (on this host); False for
-    anything else (another host's, or not such a record), which is left alone."""
-    if not isinstance(info, dict) or info.get("kind") != _OWNER_KIND:
-        return False
-    pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive under another user, or cannot tell
-        return False
-    started, now = info.get("process_start"), _process_start(pid)
-    return started is not None and now is not None and started != now
-
-
 def sweep_stale_rendezvous(root: str | None = None, prefixes: Sequence[str] = ("lab2",)
                            ) -> list[str]:
     """Remove the rendezvous folders in ``root`` (default: the temporary folder) whose names
     start with one of ``prefixes`` and whose :data:`OWNER_NAME` names a process of this
     host that has exited; a folder without that file is left. Returns the paths removed."""
-    removed: list[str] = []
-    try:
-        entries = [e for e in os.scandir(root or tempfile.gettempdir())
-                   if e.name.startswith(tuple(prefixes))]
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            with open(os.path.join(entry.path, OWNER_NAME), encoding="utf-8") as f:
-                info = json.loads(f.read())
-        except (OSError, ValueError):
-            continue
-        if _owner_gone(info):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.exists(entry.path):
-                removed.append(entry.path)
-    return removed
+    return sweep_stale_folders(prefixes, root, kind=_OWNER_KIND)
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, device: str, backend: str,
            init_method: str, pg_timeout: float, threads: int, spec: Any, results: Any) -> None:
-    if sys.platform.startswith("linux"):  # die with the forkserver, which dies with the launcher
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    set_parent_death_signal()  # die with the forkserver, which dies with the launcher
     code = 0
     try:
         import torch
@@ -206,10 +153,7 @@ class RankGroup:
         self._results = self.ctx.Queue()
         sweep_stale_rendezvous(prefixes=("lab2", self.rdzv_prefix))
         self.tmp = tempfile.mkdtemp(prefix=self.rdzv_prefix)
-        pid = os.getpid()
-        atomic_write_text(os.path.join(self.tmp, OWNER_NAME), json.dumps(
-            {"kind": _OWNER_KIND, "pid": pid, "host": socket.gethostname(),
-             "process_start": _process_start(pid)}) + "\n")
+        write_owner(self.tmp, kind=_OWNER_KIND)
         init_method = f"file://{os.path.join(self.tmp, 'rendezvous')}"
         # Ranks inherit the environment: OpenMP must not start a thread per core in each.
         self._saved_threads = os.environ.get("OMP_NUM_THREADS")

@@ -1,4 +1,6 @@
-"""Measurements on disk: one JSON line each, and atomic file writes."""
+"""Measurements on disk: one JSON line each, and atomic file writes (``atomic_write``,
+``atomic_write_bytes``, ``atomic_write_text`` and ``temp_file_beside``, which live in the
+internal :mod:`lab2bench._process` that the trainer's runtime shares)."""
 
 from __future__ import annotations
 
@@ -7,81 +9,16 @@ import datetime as _dt
 import json
 import math
 import os
-import secrets
 import uuid
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+from lab2bench._process import atomic_write as atomic_write
+from lab2bench._process import atomic_write_bytes as atomic_write_bytes
+from lab2bench._process import atomic_write_text as atomic_write_text
+from lab2bench._process import temp_file_beside as temp_file_beside
 from lab2bench.env import env_info
-
-
-def _fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (a rename into it) to disk, where the platform can."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def temp_file_beside(target: str | os.PathLike[str]) -> str:
-    """Create an empty temporary file in ``target``'s folder, with the permissions a
-    plain ``open()`` would give, and return its path; ``os.replace`` it onto
-    ``target`` once written (for writers that take a path, like profiler exports).
-
-    It is named ``.<name>.<pid>.tmp`` (``.<name>.<random>.<pid>.tmp`` when that is
-    taken), so that what an interrupted writer left can be told by its process id.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    pid = os.getpid()
-    for attempt in range(100):
-        middle = f"{pid}" if attempt == 0 else f"{secrets.token_hex(4)}.{pid}"
-        tmp = target.parent / f".{target.name}.{middle}.tmp"
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
-        return str(tmp)
-    raise FileExistsError(f"no free temporary name beside {target}")
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any]) -> Path:
-    """Call ``write(f)`` on a temporary file in ``path``'s folder, flush it to disk and
-    ``os.replace`` it onto ``path``: a reader (or a crash) sees the old file or the new
-    one, never half of it. When ``write`` raises (Ctrl-C included) the temporary file is
-    removed and ``path`` is left as it was.
-
-    The workspace's one atomic writer: ``atomic_write_bytes``/``atomic_write_text`` and
-    the trainer's checkpoints, metrics, plots and token caches go through it.
-    """
-    target = Path(path)
-    tmp = temp_file_beside(target)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
-    return target
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
-    return atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """``atomic_write_bytes`` for UTF-8 text."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def to_jsonable(obj: Any) -> Any:

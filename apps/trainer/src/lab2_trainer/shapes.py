@@ -1,0 +1,112 @@
+"""Arithmetic on the model's shape, without torch: parameter counts, FLOPs per token and the
+bytes of the training state. The planner (:mod:`lab2_trainer.plan`), the checks before a
+run (:mod:`lab2_trainer.validate_inputs`) and the report (:mod:`lab2_trainer.report`) all
+count with these functions, on Python integers (no overflow, however absurd the sizes).
+
+**Parameters**, as :class:`lab2_trainer.model.TransformerLM` builds them: the token and
+position tables, per block two norms, attention's qkv and output matrices and the
+feed-forward's two (GELU) or three (SwiGLU) matrices, the final norm and the LM head (none
+when tied to the token table).
+
+**FLOPs per token** of a training step (forward and backward), as in the PaLM paper's
+appendix B: ``6 N + 12 n_layers d_model context_length``, where ``N`` counts the
+parameters that take part in a matrix product (all but the two embedding tables, which are
+lookups; the LM head once, even when tied) and the second term is attention's own products.
+A forward alone is a third. Activation checkpointing recomputes a block's forward:
+``2 N_block + 4 d_model context_length`` per recomputed block and token (hardware FLOPs).
+
+**Training state**: fp32 weights (4 bytes a parameter), gradients (4) and AdamW's two
+moments (8), sharded as the sharding kind shards them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+# ------------------------------------------------------------------------- parameters
+def block_matmul_parameters(config: Any) -> int:
+    """Parameters of one decoder block's matrix products (attention's four projections and
+    the feed-forward's two or three matrices)."""
+    ffn = 3 if config.ffn == "swiglu" else 2
+    return 4 * config.d_model * config.d_model + ffn * config.d_model * config.d_ff
+
+
+def parameter_counts(config: Any) -> dict[str, int]:
+    """The model's parameters by kind: ``block`` (one block's), ``block_matmul`` (its
+    matrices'), ``blocks``, ``embeddings`` (token and position tables), ``head`` (the LM
+    head, 0 when tied), ``norms`` (the final norm), ``total``, and ``matmul``: those that
+    take part in matrix products (the ``N`` of the FLOPs)."""
+    d = config.d_model
+    norm = 2 * d if config.norm == "layernorm" else d  # LayerNorm has a bias
+    block_matmul = block_matmul_parameters(config)
+    block = block_matmul + 2 * norm
+    embeddings = (config.vocab_size + config.context_length) * d
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    total = config.n_layers * block + embeddings + head + norm
+    # All but the position table, and the token table unless it is the head.
+    matmul = total - config.context_length * d - (0 if config.tie_embeddings
+                                                  else config.vocab_size * d)
+    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
+            "embeddings": embeddings, "head": head, "norms": norm, "total": total,
+            "matmul": matmul}
+
+
+def parameter_count(config: Any) -> int:
+    """The model's parameters (:func:`parameter_counts`' ``total``)."""
+    return parameter_counts(config)["total"]
+
+
+# ------------------------------------------------------------------------------ FLOPs
+def training_flops_per_token(config: Any, n_matmul_params: int) -> float:
+    """Model FLOPs of one token's forward and backward: ``6 N + 12 L d T``."""
+    attention = 12 * config.n_layers * config.d_model * config.context_length
+    return 6 * n_matmul_params + attention
+
+
+def recompute_flops(config: Any, blocks: int) -> float:
+    """Forward FLOPs per token that recomputing ``blocks`` blocks in backward adds: their
+    matrix products and attention's products."""
+    per_block = 2 * block_matmul_parameters(config) + 4 * config.d_model * config.context_length
+    return float(blocks * per_block)
+
+
+def flops_per_token(config: Any, checkpointing: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per token of a training step: ``6 N + 12 L d T``, and
+    that plus the recomputed forwards: every block for ``full``, none for ``none`` and the
+    op-level ``selective`` policy (which recomputes no matrix product)."""
+    model = training_flops_per_token(config, parameter_counts(config)["matmul"])
+    blocks = config.n_layers if checkpointing == "full" else 0
+    return float(model), float(model + recompute_flops(config, blocks))
+
+
+# ---------------------------------------------------------------------- training state
+def training_state_parts(n: int, sharding: str, world_size: int,
+                         reshard_after_forward: bool = True) -> dict[str, int]:
+    """:func:`training_state_bytes` item by item: ``parameters``, ``gradients`` and
+    ``optimizer`` bytes per rank (the gathered weights of fsdp without resharding count
+    among the parameters)."""
+    shards = max(1, world_size)
+    params, grads, state = 4 * n, 4 * n, 8 * n // shards
+    if sharding == "none":
+        state = 8 * n
+    elif sharding == "zero2":
+        grads = 4 * n // shards
+    elif sharding == "fsdp":
+        params = 4 * n // shards + (0 if reshard_after_forward else 4 * n)
+        grads = 4 * n // shards
+    return {"parameters": params, "gradients": grads, "optimizer": state}
+
+
+def training_state_bytes(n: int, sharding: str, world_size: int,
+                         reshard_after_forward: bool = True) -> int:
+    """Bytes per rank of fp32 weights (4), gradients (4) and AdamW's two moments (8) of
+    ``n`` parameters, by sharding kind (a lower bound: no bucket or gathered block):
+
+    * none: 4 + 4 + 8 per parameter;
+    * zero1, zero1-allreduce, torch (state sharded): 4 + 4 + 8/N;
+    * zero2 (gradients sharded too): 4 + (4 + 8)/N;
+    * fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the whole
+      gathered weights (4) through the backward besides.
+    """
+    return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())
