@@ -24,6 +24,10 @@ sets it up as the trainer does (``harness.setup``: the compilation of ``--scope`
   between CUDA events, the best kept: ``step_ms``, tokens/s, ``mfu`` (``report.mfu``);
 * ``graphs``: the graphs dynamo compiled (``unique_graphs``).
 
+``blocks+optimizer`` also compiles AdamW's step (the for-each arithmetic fused by inductor,
+the learning rate a tensor) in place of the fused AdamW kernels, to see whether compiling
+the optimizer pays: a faster step against a longer first one.
+
 The table's last rows give each scope's mean and spread (max - min over its rounds) and the
 ratio of every scope to ``blocks``.
 """
@@ -42,8 +46,9 @@ from pathlib import Path
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, PRESETS
 
-#: What each scope runs: the trainer's --compile-scope, or no compilation ("eager").
-SCOPES = ("blocks", "model", "eager")
+#: What each scope runs: the trainer's --compile-scope, no compilation ("eager"), or the
+#: blocks and AdamW's step compiled too ("blocks+optimizer", --stack none only).
+SCOPES = ("blocks", "model", "eager", "blocks+optimizer")
 #: --stack: the trainer's --ddp and --sharding (the default: one GPU's, as lab2-train sets).
 STACKS = {"none": ("none", "none"), "zero1": ("none", "zero1"),
           "fsdp": ("none", "fsdp")}
@@ -86,8 +91,10 @@ def measure(args: argparse.Namespace) -> dict:
     model.activation_checkpointing = cfg["kind"]
     ddp, sharding = STACKS[args.stack]
     compiled = None if args.scope == "eager" else {
-        "backend": args.backend, "mode": args.compile_mode, "scope": args.scope}
+        "backend": args.backend, "mode": args.compile_mode, "scope": args.scope.split("+")[0]}
     variant = harness.setup(model, sharding, device, ddp=ddp, compile=compiled)
+    if args.scope.endswith("+optimizer"):
+        variant.optimizer = compiled_adamw(model, args)
     batches = [harness.random_batch(config, cfg["batch"], device, seed=i) for i in range(2)]
 
     def step(i: int) -> None:
@@ -117,6 +124,25 @@ def measure(args: argparse.Namespace) -> dict:
             "windows_ms": [w * 1e3 for w in windows], "tokens_per_s": tokens_per_s,
             "mfu": mfu(tokens_per_s, flops, device_peak(device)),
             "graphs": counters["stats"]["unique_graphs"]}
+
+
+def compiled_adamw(model, args: argparse.Namespace):
+    """The trainer's AdamW (its groups and hyperparameters) with ``step`` compiled: the
+    for-each arithmetic traced and fused by inductor, in place of the fused kernels; the
+    learning rate a tensor, so that a schedule changing it does not recompile."""
+    import harness
+    import torch
+
+    from lab2_trainer.parallel import param_groups
+
+    hyper = harness.adamw(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(param_groups(model, hyper["weight_decay"]),
+                                  lr=torch.tensor(hyper["lr"], device=device),
+                                  betas=hyper["betas"], eps=1e-8)
+    optimizer.step = torch.compile(optimizer.step, backend=args.backend,
+                                   mode=args.compile_mode)
+    return optimizer
 
 
 def run_child(args: argparse.Namespace, scope: str) -> dict:
@@ -199,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in scopes if s not in SCOPES]
     if bad or not scopes:
         p.error(f"unknown scope(s) {', '.join(bad)}; choose from {', '.join(SCOPES)}")
+    if "blocks+optimizer" in scopes and args.stack != "none":
+        p.error("blocks+optimizer compiles plain AdamW's step: it needs --stack none")
     if args.rounds < 1 or args.steps < 1 or args.windows < 1 or args.warmup < 0:
         p.error("--rounds, --steps and --windows must be >= 1, --warmup >= 0")
     if not cpu:

@@ -10,8 +10,8 @@ Stacks (norm layer, ``harness.SHARDINGS`` kind, DDP wrapper): ``ours`` (tritonno
 ``pytorch`` (``nn.RMSNorm`` + DistributedDataParallel + ZeroRedundancyOptimizer),
 ``pytorch-fsdp`` and ``pytorch-fsdp-keep`` (FSDP2, ``reshard_after_forward`` True / False).
 Each is set up by the trainer's ``parallelize``; with ``--compile`` every model is compiled as
-the trainer compiles it (the bare model through ``torch.compile``, the wrapper or hooks
-around it). ``mfu`` is per GPU, empty where no peak is known.
+the trainer compiles it (block by block, the wrapper or hooks around the compiled graphs).
+``mfu`` is per GPU, empty where no peak is known.
 """
 
 from __future__ import annotations

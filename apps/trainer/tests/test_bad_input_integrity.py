@@ -1,5 +1,6 @@
 """Bad input stopped in the launcher, before any rank starts: one line on stderr, exit
-code 2, nothing written. Damaged and unfit checkpoints, non-finite or out-of-range float
+code 2, nothing written. Damaged and unfit checkpoints (single files, and step folders:
+a flipped, truncated or missing shard, a missing manifest), non-finite or out-of-range float
 flags, negative token ids, ``--out`` naming a file, a model too large for the machine;
 and the output folder's claim (held, stale, from another host)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,9 +21,18 @@ import torch
 from lab2_testing.cli import folder_listing
 from lab2_trainer import checkpoint as integrity
 from lab2_trainer.checkpoint import load_checkpoint
-from lab2_trainer.cli import main
+from lab2_trainer.checkpoint_folders import (
+    MANIFEST,
+    TRAINER_STATE,
+    file_crc,
+    load_trainer_state,
+    write_manifest,
+)
+from lab2_trainer.cli import build_parser, given_settings, main, resolve_settings
 from lab2_trainer.config import UsageError
+from lab2_trainer.launch import DistContext
 from lab2_trainer.run_folder import LOCK_NAME, claim_folder, clean_stale_temporaries
+from lab2_trainer.train import Trainer
 
 torch.set_num_threads(1)
 
@@ -44,16 +55,27 @@ def run_bad(capsys, argv: list[str], root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def run_dir(corpus_dir, tmp_path_factory) -> Path:
-    """A finished one-rank run (with a checkpoint) of the tiny model."""
+    """A finished one-rank run (with a checkpoint) of the tiny model, and its checkpoint
+    exported to one file beside it (``done.pt``, the single-file format)."""
     out = tmp_path_factory.mktemp("runs") / "done"
     assert main([*TINY, "--data", str(corpus_dir), "--nproc", "1", "--steps", "2",
                  "--out", str(out)]) == 0
+    assert main(["export", str(out), str(out.parent / "done.pt")]) == 0
     return out
 
 
+def _single(run_dir: Path) -> Path:
+    return run_dir.parent / "done.pt"
+
+
+def _step(run_dir: Path) -> Path:
+    return run_dir / "ckpt" / "step-000002"
+
+
 def _damaged_copy(run_dir: Path, tmp_path: Path, edit) -> Path:
-    """A copy of the run's checkpoint, edited in memory and saved again (sealed)."""
-    ckpt = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    """A copy of the run's single-file checkpoint, edited in memory and saved again
+    (sealed)."""
+    ckpt = torch.load(_single(run_dir), weights_only=True)
     edit(ckpt)
     ckpt.pop("checksums")
     folder = tmp_path / "edited"
@@ -62,12 +84,27 @@ def _damaged_copy(run_dir: Path, tmp_path: Path, edit) -> Path:
     return folder / "ckpt.pt"
 
 
+def _edited_step(run_dir: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the run's step folder whose trainer.pt is edited and sealed again, with
+    a manifest that matches (good checksums, bad content)."""
+    folder = tmp_path / "edited" / "step-000002"
+    shutil.copytree(_step(run_dir), folder)
+    small = torch.load(folder / TRAINER_STATE, weights_only=True)
+    small.pop("checksums")
+    edit(small)
+    torch.save(integrity.seal(small), folder / TRAINER_STATE)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    files = {name: file_crc(folder / name) for name in manifest["files"]}
+    write_manifest(folder, manifest["step"], files)
+    return folder
+
+
 # ------------------------------------------------------------- damaged checkpoints
 def test_flipped_payload_bytes_are_caught_naming_the_tensor(capsys, run_dir, tmp_path):
     """The issue's case: 64 bytes of tok_emb.weight overwritten (16 NaNs) in the file."""
     bad = tmp_path / "ckpt.pt"
-    raw = bytearray((run_dir / "ckpt.pt").read_bytes())
-    weight = torch.load(run_dir / "ckpt.pt", weights_only=True)["model"]["tok_emb.weight"]
+    raw = bytearray(_single(run_dir).read_bytes())
+    weight = torch.load(_single(run_dir), weights_only=True)["model"]["tok_emb.weight"]
     at = bytes(raw).find(weight.numpy().tobytes()[:256])
     assert at > 0
     raw[at + 1024:at + 1088] = b"\xff" * 64
@@ -82,6 +119,22 @@ def test_flipped_payload_bytes_are_caught_naming_the_tensor(capsys, run_dir, tmp
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr
 
 
+def test_flipped_shard_bytes_are_caught_naming_the_file(capsys, run_dir, tmp_path):
+    """The same 64 bytes overwritten in the step folder's shard file."""
+    folder = tmp_path / "ckpt" / "step-000002"
+    shutil.copytree(_step(run_dir), folder)
+    shard = folder / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    weight = torch.load(_single(run_dir), weights_only=True)["model"]["tok_emb.weight"]
+    at = bytes(raw).find(weight.numpy().tobytes()[:256])
+    assert at > 0
+    raw[at + 1024:at + 1088] = b"\xff" * 64
+    shard.write_bytes(bytes(raw))
+    line = run_bad(capsys, ["--resume", str(folder), "--nproc", "1"], tmp_path)
+    assert str(folder) in line and "damaged" in line
+    assert "file __0_0.distcp does not match its checksum" in line
+
+
 def test_non_finite_weights_with_good_checksums_are_refused(capsys, run_dir, tmp_path):
     def poison(ckpt):
         ckpt["optimizer"]["state"][1]["exp_avg_sq"].view(-1)[5] = float("inf")
@@ -89,6 +142,25 @@ def test_non_finite_weights_with_good_checksums_are_refused(capsys, run_dir, tmp
     line = run_bad(capsys, ["--resume", str(bad), "--nproc", "1"], tmp_path)
     assert "tensor optimizer/state/1/exp_avg_sq holds 1 non-finite value" in line
     assert str(bad) in line
+
+
+def test_non_finite_shards_with_good_checksums_are_refused(capsys, run_dir, tmp_path):
+    """A sharded checkpoint written by a run whose AdamW state held an infinity."""
+    given = given_settings(build_parser().parse_args(
+        ["--resume", str(run_dir), "--steps", "3", "--nproc", "1",
+         "--out", str(tmp_path / "poisoned")]))
+    settings, _ = resolve_settings(given, "cpu")
+    trainer = Trainer(settings, DistContext())
+    with torch.no_grad():
+        trainer.optimizer.state[trainer.model.pos_emb.weight]["exp_avg_sq"].view(-1)[5] = \
+            float("inf")
+    trainer.save_checkpoint()
+    trainer.finish_checkpoints()
+    folder = tmp_path / "poisoned" / "ckpt" / "step-000002"
+    line = run_bad(capsys, ["--resume", str(folder), "--nproc", "1", "--out",
+                            str(tmp_path / "again")], tmp_path)
+    assert "tensor optim.pos_emb.weight.exp_avg_sq holds 1 non-finite value" in line
+    assert str(folder) in line
 
 
 @pytest.mark.parametrize(("edit", "fragment"), [
@@ -109,15 +181,58 @@ def test_checkpoints_that_do_not_fit_are_refused(capsys, run_dir, tmp_path, edit
     assert fragment in line and str(bad) in line
 
 
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda c: c["optimizer_groups"][0].pop("betas"), "lacks 'betas'"),
+    (lambda c: c["rng"].update(cpu=torch.zeros(7, dtype=torch.uint8)),
+     "its CPU random state is unusable"),
+    (lambda c: c["sampler"].update(draws=-3), "sampler position"),
+    (lambda c: c.update(step=-1), "its step -1 is not an integer >= 0"),
+], ids=["another-optimizer", "rng-size", "sampler", "step"])
+def test_sharded_checkpoints_that_do_not_fit_are_refused(capsys, run_dir, tmp_path, edit,
+                                                         fragment):
+    bad = _edited_step(run_dir, tmp_path, edit)
+    line = run_bad(capsys, ["--resume", str(bad), "--nproc", "1"], tmp_path)
+    assert fragment in line and str(bad) in line
+
+
+@pytest.mark.parametrize("damage", ["missing-manifest", "truncated", "missing-shard",
+                                    "missing-metadata"])
+def test_incomplete_step_folders_are_refused(capsys, run_dir, tmp_path, damage):
+    folder = tmp_path / "ckpt" / "step-000002"
+    shutil.copytree(_step(run_dir), folder)
+    if damage == "missing-manifest":
+        (folder / MANIFEST).unlink()
+        fragment = f"has no {MANIFEST}: not a complete checkpoint"
+    elif damage == "truncated":
+        shard = folder / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+        fragment = "file __0_0.distcp is truncated (1,000 bytes, the manifest says"
+    elif damage == "missing-shard":
+        (folder / "__0_0.distcp").unlink()
+        fragment = "file __0_0.distcp is missing"
+    else:
+        (folder / ".metadata").unlink()
+        fragment = "file .metadata is missing"
+    line = run_bad(capsys, ["--resume", str(folder), "--nproc", "1"], tmp_path)
+    assert fragment in line and str(folder) in line
+    # Named by its ckpt/ folder, a folder without a manifest is no checkpoint at all.
+    if damage == "missing-manifest":
+        line = run_bad(capsys, ["--resume", str(tmp_path / "ckpt"), "--nproc", "1"], tmp_path)
+        assert "holds no complete checkpoint" in line
+
+
 def test_sealed_checkpoints_round_trip_and_old_ones_still_load(run_dir, tmp_path):
-    ckpt = load_checkpoint(run_dir / "ckpt.pt")
+    ckpt = load_checkpoint(_single(run_dir))
     assert ckpt["version"] == 2 and integrity.first_damage(ckpt) is None
     ckpt["settings"]["lr"] = 1.0  # a changed setting is caught too
     assert "settings and counters" in integrity.first_damage(ckpt)
-    old = dict(torch.load(run_dir / "ckpt.pt", weights_only=True), version=1)
+    old = dict(torch.load(_single(run_dir), weights_only=True), version=1)
     old.pop("checksums")
     torch.save(old, tmp_path / "v1.pt")
     assert load_checkpoint(tmp_path / "v1.pt")["version"] == 1
+    # A sharded checkpoint's small state is sealed the same way.
+    small = load_trainer_state(_step(run_dir))
+    assert small["sharded"] and integrity.first_damage(small) is None
 
 
 # ------------------------------------------------------------- flags and data

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab2_trainer.checkpoint_folders import load_trainer_state
 from lab2_trainer.cli import main
 
 torch.set_num_threads(1)
@@ -44,7 +45,14 @@ def test_main_command_in_short_on_two_gloo_ranks(corpus_dir, tmp_path):
     losses = [r["loss"] for r in records]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
     assert summary["final_val_loss"] < losses[0] - 1.0
-    assert summary["unigram_entropy"] > 0 and (out / "ckpt.pt").is_file()
+    assert summary["unigram_entropy"] > 0
+    assert (out / "ckpt" / "step-000030" / "manifest.json").is_file()
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
 
 
 def run_bad(capsys, argv: list[str]) -> str:
@@ -101,7 +109,7 @@ def test_corrupt_checkpoint_is_refused(capsys, tmp_path):
 
 
 def test_incompatible_checkpoint_and_existing_run_are_refused(capsys, corpus_dir, finished_run):
-    before = (finished_run / "ckpt.pt").read_bytes()
+    before = folder_bytes(finished_run / "ckpt")
     metrics = (finished_run / "metrics.jsonl").read_text()
     line = run_bad(capsys, ["--resume", str(finished_run), "--d-model", "64"])
     assert "incompatible" in line and "d_model=32" in line
@@ -112,16 +120,17 @@ def test_incompatible_checkpoint_and_existing_run_are_refused(capsys, corpus_dir
     (other / "a.txt").write_text("x" * 5000)
     line = run_bad(capsys, ["--resume", str(finished_run), "--data", str(other)])
     assert "trained on" in line
-    assert (finished_run / "ckpt.pt").read_bytes() == before
+    assert folder_bytes(finished_run / "ckpt") == before
     assert (finished_run / "metrics.jsonl").read_text() == metrics
 
 
 def test_resume_extends_a_finished_run(corpus_dir, finished_run, tmp_path):
     out = tmp_path / "extended"
-    rc = main(["--resume", str(finished_run / "ckpt.pt"), "--steps", "5", "--nproc", "1",
+    rc = main(["--resume", str(finished_run / "ckpt" / "step-000003"), "--steps", "5",
+               "--nproc", "1",
                "--out", str(out), "--quiet", "--no-plot", "--sample-tokens", "0"])
     assert rc == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").open()]
     assert steps == [4, 5]
-    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    saved = load_trainer_state(out / "ckpt" / "step-000005")
     assert saved["step"] == 5 and saved["model_config"]["d_model"] == 32

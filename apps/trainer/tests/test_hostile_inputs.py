@@ -30,6 +30,14 @@ import torch
 from lab2_testing.cli import folder_listing
 from lab2_testing.procs import children, running, wait_for
 from lab2_trainer import checkpoint as integrity
+from lab2_trainer.checkpoint_folders import (
+    MANIFEST,
+    TRAINER_STATE,
+    file_crc,
+    load_trainer_state,
+    newest_step,
+    write_manifest,
+)
 from lab2_trainer.cli import main
 
 torch.set_num_threads(1)
@@ -96,6 +104,8 @@ def finished(corpus_dir, tmp_path_factory) -> Path:
                "1", "--eval-batches", "2", "--sample-tokens", "4", "--ckpt-every", "1",
                "--log-every", "1", "--out", str(out)])
     assert rc == 0
+    # Its checkpoint as one file too (the single-file format, which --resume also takes).
+    assert main(["export", str(out), str(out.parent / "A.pt")]) == 0
     return out
 
 
@@ -106,14 +116,28 @@ def _copy(run: Path, tmp_path: Path, name: str = "run") -> Path:
 
 
 def _edited(run: Path, tmp_path: Path, edit) -> Path:
-    """The run's checkpoint edited and sealed again (good checksums, bad content), alone
-    in a folder."""
-    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    """The run's exported checkpoint edited and sealed again (good checksums, bad content),
+    alone in a folder."""
+    ckpt = torch.load(run.parent / "A.pt", weights_only=True)
     edit(ckpt)
     ckpt.pop("checksums")
     folder = tmp_path / "edited"
     folder.mkdir()
     torch.save(integrity.seal(ckpt), folder / "ckpt.pt")
+    return folder
+
+
+def _edited_step(run: Path, tmp_path: Path, edit) -> Path:
+    """The run's last step folder with its trainer.pt edited and sealed again, and a
+    manifest that matches (good checksums, bad content)."""
+    folder = tmp_path / "edited" / "step-000002"
+    shutil.copytree(newest_step(run / "ckpt"), folder)
+    small = torch.load(folder / TRAINER_STATE, weights_only=True)
+    small.pop("checksums")
+    edit(small)
+    torch.save(integrity.seal(small), folder / TRAINER_STATE)
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    write_manifest(folder, 2, {name: file_crc(folder / name) for name in files})
     return folder
 
 
@@ -241,6 +265,19 @@ def test_8_bad_checkpoint_content_is_refused_in_the_launcher(capsys, monkeypatch
                  fragment, str(folder))
 
 
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (lambda c: c["optimizer_groups"][1].update(betas=(0.9, 0.5)), "differ from the run's"),
+    (lambda c: c["optimizer_groups"][0].update(amsgrad=True), "amsgrad=True"),
+    (lambda c: c.update(gradient_order=[0, 0, 1]), "gradient_order must be a permutation"),
+    (lambda c: c.update(scaler={"scale": -1.0}), "gradient scaler state"),
+], ids=["betas-other", "amsgrad", "order-repeats", "scaler"])
+def test_8_bad_sharded_checkpoint_content_is_refused_in_the_launcher(
+        capsys, monkeypatch, finished, tmp_path, edit, fragment):
+    folder = _edited_step(finished, tmp_path, edit)
+    refused_here(capsys, monkeypatch, ["--resume", str(folder), "--steps", "5"], folder,
+                 fragment, str(folder))
+
+
 # ------------------------------------------------------------- 9. an unreadable claim
 def test_9_an_unreadable_claim_is_taken_over_with_a_note(capsys, monkeypatch, corpus_dir,
                                                          tmp_path):
@@ -262,7 +299,7 @@ def test_9_an_unreadable_claim_is_taken_over_with_a_note(capsys, monkeypatch, co
         assert err.strip().splitlines() == [
             f"lab2-train: note: took over {out}, whose claim file could not be read (empty "
             f"or damaged, {LOCK_NAME}) and was not locked by any process"], err
-        assert (out / "ckpt.pt").is_file() and not (out / LOCK_NAME).exists()
+        assert newest_step(out / "ckpt") is not None and not (out / LOCK_NAME).exists()
 
 
 # ------------------------------------------------------------- 10. resume keeps the run's settings
@@ -278,7 +315,7 @@ def test_10_a_resume_keeps_every_setting_of_its_run(finished, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all("val_loss" in r for r in records)  # --eval-every 1, kept
     assert (run / "sample.txt").is_file() and not (run / "loss_curve.png").exists()
-    assert torch.load(run / "ckpt.pt", weights_only=True)["step"] == 4
+    assert load_trainer_state(newest_step(run / "ckpt"))["step"] == 4
     # What the optimizer state fixes cannot be changed; the same value may be given.
     run2 = _copy(finished, tmp_path, "run2")
     refused(["--resume", "run2", "--steps", "4", "--beta1", "0.5"], tmp_path,

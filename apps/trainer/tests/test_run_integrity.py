@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from lab2_testing.procs import children, running, wait_for
+from lab2_trainer.checkpoint_folders import load_trainer_state, newest_step, verify
 from lab2_trainer.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux",
@@ -101,11 +102,13 @@ def test_second_run_into_a_claimed_folder_is_refused_and_the_first_keeps_its_res
         _stop(first, ranks)
     steps = _steps(out)
     assert steps == list(range(1, len(steps) + 1))  # one run's records, none lost
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    newest = newest_step(out / "ckpt")
+    verify(newest)  # every file of the newest complete checkpoint matches its manifest
+    ckpt = load_trainer_state(newest)
     assert ckpt["settings"]["seed"] == 0 and ckpt["step"] % 2 == 0
     assert not (out / ".lab2-train.lock").exists()
-    # a stopped run leaves its records, its checkpoint and its resolved settings, nothing else
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "metrics.jsonl", "settings.toml"]
+    # a stopped run leaves its records, its checkpoints and its resolved settings, nothing else
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt", "metrics.jsonl", "settings.toml"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT],
@@ -116,7 +119,7 @@ def test_ranks_die_with_their_launcher(corpus_dir, tmp_path, sig):
     out = tmp_path / "run"
     launcher, ranks = _training_run(corpus_dir, out, tmp_path, "--ckpt-every", "2")
     try:
-        wait_for(lambda: (out / "ckpt.pt").is_file(), 60, "a checkpoint", launcher)
+        wait_for(lambda: newest_step(out / "ckpt") is not None, 60, "a checkpoint", launcher)
         if sig == signal.SIGINT:
             os.killpg(launcher.pid, sig)
         else:
@@ -141,11 +144,11 @@ def test_ranks_die_with_their_launcher(corpus_dir, tmp_path, sig):
         assert (out / ".lab2-train.lock").exists()
         stale = out / f".ckpt.pt.{ranks[0]}.tmp"
         stale.write_bytes(b"\0" * 4096)
-        step = torch.load(out / "ckpt.pt", weights_only=True)["step"]
+        step = load_trainer_state(newest_step(out / "ckpt"))["step"]
         rc = main(["--resume", str(out), "--steps", str(step + 2), "--nproc", "1"])
         assert rc == 0
         assert not stale.exists() and not (out / ".lab2-train.lock").exists()
-        assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == step + 2
+        assert load_trainer_state(newest_step(out / "ckpt"))["step"] == step + 2
 
 
 def test_a_stopped_rank_is_named_after_the_timeout(corpus_dir, tmp_path):

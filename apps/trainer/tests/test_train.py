@@ -40,7 +40,8 @@ def test_short_run_loss_falls_and_writes_every_output(corpus_dir, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
     assert summary["final_val_loss"] < records[0]["loss"] - 1.0
-    for name in ("ckpt.pt", "loss_curve.png", "sample.txt", "summary.json"):
+    for name in ("ckpt/step-000040/manifest.json", "loss_curve.png", "sample.txt",
+                 "summary.json"):
         assert (tmp_path / "run" / name).is_file(), name
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["final_val_loss"] == pytest.approx(summary["final_val_loss"])
@@ -57,7 +58,7 @@ def test_resume_gives_bitwise_the_same_parameters(corpus_dir, tmp_path, precisio
     first.run(stop_at=3)
     assert first.step == 3
     resumed = Trainer(
-        tiny_settings(corpus_dir, tmp_path / "b", resume=str(tmp_path / "b" / "ckpt.pt"),
+        tiny_settings(corpus_dir, tmp_path / "b", resume=str(tmp_path / "b"),
                       **common),
         DistContext(),
     )

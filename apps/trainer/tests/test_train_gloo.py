@@ -74,7 +74,7 @@ def _resume_rank(rank, world_size, data, out, single_ckpt):
     straight.run()
     first = Trainer(tiny_settings(data, f"{out}/stopped", **stack), ctx)
     first.run(stop_at=3)
-    resumed = Trainer(tiny_settings(data, f"{out}/resumed", resume=f"{out}/stopped/ckpt.pt",
+    resumed = Trainer(tiny_settings(data, f"{out}/resumed", resume=f"{out}/stopped",
                                     **stack), ctx)
     resumed.run()
     # Resume here the checkpoint that one process wrote at step 3.
@@ -92,13 +92,13 @@ def test_resume_is_bitwise_and_works_across_world_sizes(world_size, corpus_dir, 
     Trainer(tiny_settings(corpus_dir, tmp_path / "single_stop"), DistContext()).run(stop_at=3)
     straight, resumed, from_single = run_ranks(
         _resume_rank, world_size, str(corpus_dir), str(tmp_path / "ranks"),
-        str(tmp_path / "single_stop" / "ckpt.pt"), timeout=150,
+        str(tmp_path / "single_stop"), timeout=150,
     )[0]
     # Same world size: stopping and resuming changes nothing, bit for bit.
     assert bitwise_equal(straight, resumed)
-    # One process -> world_size ranks, and world_size ranks (their step-3 checkpoint,
-    # consolidated from the sharded optimizer) -> one process.
-    ranks_ckpt = tmp_path / "ranks" / "stopped" / "ckpt.pt"
+    # One process -> world_size ranks, and world_size ranks (their step-3 checkpoint, each
+    # rank's part of it) -> one process.
+    ranks_ckpt = tmp_path / "ranks" / "stopped"
     back = Trainer(tiny_settings(corpus_dir, tmp_path / "back", resume=str(ranks_ckpt)),
                    DistContext())
     assert back.step == 3

@@ -13,6 +13,7 @@ import torch
 
 from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
+from lab2_trainer.checkpoint_folders import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.launch import DistContext
 from lab2_trainer.train import Trainer
@@ -62,7 +63,13 @@ def _parity_rank(rank, world_size, data, out):
                           clip=clip).validate(world_size)
         trainer = Trainer(s, ctx)
         trainer.run()
-        assert trainer.parallel.gradient_order is None  # nothing learned: parameter order
+        # zero1's buckets follow the order learned in the first step (a checkpoint keeps
+        # it); FSDP2 and one rank learn nothing.
+        order = trainer.parallel.gradient_order
+        if sharding == "fsdp" or world_size == 1:
+            assert order is None
+        else:
+            assert sorted(order) == list(range(len(list(trainer.model.parameters()))))
         results.append(params_of(trainer))
     return results
 
@@ -99,7 +106,7 @@ def _resume_rank(rank, world_size, data, out, single_ckpt):
         Trainer(tiny_settings(data, f"{out}/{kind}-stopped", steps=6, sharding=kind),
                 ctx).run(stop_at=3)
         resumed = Trainer(tiny_settings(data, f"{out}/{kind}-resumed", steps=6, sharding=kind,
-                                        resume=f"{out}/{kind}-stopped/ckpt.pt"), ctx)
+                                        resume=f"{out}/{kind}-stopped"), ctx)
         assert resumed.step == 3
         resumed.run()
         got[kind] = (params_of(straight), params_of(resumed))
@@ -111,10 +118,10 @@ def _resume_rank(rank, world_size, data, out, single_ckpt):
         got[f"{kind}-from-single"] = params_of(t)
     # This size's zero2 checkpoint resumed by fsdp, and back: the format is one.
     t = Trainer(tiny_settings(data, f"{out}/fsdp-from-zero2", steps=6, sharding="fsdp",
-                              resume=f"{out}/zero2-stopped/ckpt.pt"), ctx)
+                              resume=f"{out}/zero2-stopped"), ctx)
     t.run(stop_at=5)
     t = Trainer(tiny_settings(data, f"{out}/zero1-from-fsdp", steps=6, sharding="zero1",
-                              resume=f"{out}/fsdp-from-zero2/ckpt.pt"), ctx)
+                              resume=f"{out}/fsdp-from-zero2"), ctx)
     assert t.step == 5
     t.run()
     got["zero2-fsdp-zero1"] = params_of(t)
@@ -130,7 +137,7 @@ def test_sharded_checkpoints_resume_bitwise_and_across_kinds_and_world_sizes(
             DistContext()).run(stop_at=3)
     ranks = tmp_path / "ranks"
     got = run_ranks(_resume_rank, world_size, str(corpus_dir), str(ranks),
-                    str(tmp_path / "single-stop" / "ckpt.pt"), timeout=300)[0]
+                    str(tmp_path / "single-stop"), timeout=300)[0]
     # Same world size: stopping and resuming zero1 or zero2 changes nothing, bit for bit.
     for kind in ("zero1", "zero2"):
         straight, resumed = got[kind]
@@ -140,13 +147,20 @@ def test_sharded_checkpoints_resume_bitwise_and_across_kinds_and_world_sizes(
         assert relative_error(expected, got[key]) < 1e-5, key
     # world_size ranks' zero2 checkpoint (its optimizer consolidated) -> one process.
     back = Trainer(tiny_settings(corpus_dir, tmp_path / "back", steps=6,
-                                 resume=str(ranks / "zero2-stopped" / "ckpt.pt")),
+                                 resume=str(ranks / "zero2-stopped")),
                    DistContext())
     assert back.step == 3
     back.run()
     assert relative_error(expected, params_of(back)) < 1e-5
-    ckpt = torch.load(ranks / "zero2-stopped" / "ckpt.pt", weights_only=True)
-    assert ckpt["world_size"] == world_size and ckpt["gradient_order"] is None
+    # Every rank wrote its own part; the export is one plain file.
+    manifest = json.loads((ranks / "zero2-stopped" / "ckpt" / "step-000003" / "manifest.json")
+                          .read_text())
+    assert sum(name.endswith(".distcp") for name in manifest["files"]) == world_size
+    export(ranks / "zero2-stopped", tmp_path / "zero2.pt")
+    ckpt = torch.load(tmp_path / "zero2.pt", weights_only=True)
+    assert ckpt["world_size"] == world_size
+    order = ckpt["gradient_order"]  # zero2's learned bucket order (none on one rank)
+    assert order is None if world_size == 1 else sorted(order) == list(range(len(order)))
     # The plain AdamW format: state keyed by parameter number, the model's state dict.
     assert sorted(ckpt["optimizer"]["state"]) == list(range(len(list(single.model.parameters()))))
     assert ckpt["model"].keys() == single.model.state_dict().keys()

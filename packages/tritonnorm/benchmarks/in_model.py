@@ -27,6 +27,8 @@ whose ratio shows the measurement's own spread. The windows are
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from lab2bench.timing import paired_windows
 from tritonnorm import replace_rms_norms
+from tritonnorm._machinery import SWITCHES
 from tritonnorm.ops import OPTIONS
 
 HF_LLAMA = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
@@ -75,16 +78,28 @@ def hf_model(norm: str, batch: int):
     return model, (tokens[:, :-1], tokens[:, 1:])
 
 
+def switched(options: dict) -> contextlib.ExitStack:
+    """``options`` set for a ``with`` block: tritonnorm's ``OPTIONS`` and, for the launch
+    machinery's pieces (``launch_plans``, ``direct_launch``, ``fold_dw_sum``), its
+    ``SWITCHES``."""
+    pieces = {f.name for f in dataclasses.fields(SWITCHES)}
+    stack = contextlib.ExitStack()
+    stack.enter_context(OPTIONS.override(**{k: v for k, v in options.items()
+                                            if k not in pieces}))
+    stack.enter_context(SWITCHES.override(**{k: v for k, v in options.items() if k in pieces}))
+    return stack
+
+
 def make_step(model, batch, mode: str, options: dict):
     """One training step of ``model`` (compiled unless ``mode`` is eager), its backward on
-    the calling thread as the trainer runs it, under ``OPTIONS.override(**options)``."""
+    the calling thread as the trainer runs it, with ``options`` set (``switched``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     fwd = model if mode == "eager" else torch.compile(
         model, mode=None if mode == "default" else mode)
     x, y = batch
 
     def step() -> None:
-        with OPTIONS.override(**options), torch.autograd.set_multithreading_enabled(False):
+        with switched(options), torch.autograd.set_multithreading_enabled(False):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = fwd(x)
                 logits = out if isinstance(out, torch.Tensor) else out.logits

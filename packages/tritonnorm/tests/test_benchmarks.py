@@ -168,3 +168,16 @@ def test_host_time_runs_the_triton_kernels(tmp_path):
             if r["config"]["impl"] == "tritonnorm"]
     assert rows and rows[0]["metrics"]["status"] == "ok", rows
     assert rows[0]["metrics"]["bwd_us"] > 0
+
+
+def test_in_model_variants_set_options_and_machinery_switches():
+    from tritonnorm._machinery import SWITCHES
+    from tritonnorm.ops import OPTIONS
+
+    in_model = script("in_model")
+    for name, options in in_model.MACHINERY.items():
+        with in_model.switched(options):
+            assert OPTIONS.eager_dispatch == "kernels"
+            assert all(getattr(SWITCHES, k) == v for k, v in options.items()
+                       if k != "eager_dispatch"), name
+    assert OPTIONS.eager_dispatch == "auto" and SWITCHES.launch_plans and SWITCHES.fold_dw_sum

@@ -107,13 +107,14 @@ def test_inductor_sees_the_kernels():
     # (no opaque call back into Python), which CUDA graphs need.
     from torch._inductor.utils import run_and_get_code
 
-    from tritonnorm import ops as compiler_ops
+    from tritonnorm import _library
+    from tritonnorm.ops import OPTIONS
 
-    if not compiler_ops.HAS_TRITON_OP:
+    if not _library.HAS_TRITON_OP:
         pytest.skip("torch.library.triton_op needs PyTorch 2.6")
     x = torch.randn(32, 64, device="cuda")
     w = torch.rand(64, device="cuda") + 0.5
-    with compiler_ops.OPTIONS.override(compiled_dispatch="kernels"):
+    with OPTIONS.override(compiled_dispatch="kernels"):
         fn = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
         out, code = run_and_get_code(fn, x, w)
     assert "fwd_rows" in "\n".join(code)
@@ -130,13 +131,13 @@ def test_compiled_dispatch(choice, kernels, small):
     # call); either way the result is the eager one.
     from torch._inductor.utils import run_and_get_code
 
-    from tritonnorm import ops as compiler_ops
+    from tritonnorm.ops import OPTIONS
 
     torch._dynamo.reset()
     x, r = torch.randn(2, 32, 64, device="cuda"), torch.randn(2, 32, 64, device="cuda")
     w = torch.rand(64, device="cuda") + 0.5
     below = {"torch.float32": x.numel() + 1 if small else 0}
-    with compiler_ops.OPTIONS.override(compiled_dispatch=choice, torch_below=below):
+    with OPTIONS.override(compiled_dispatch=choice, torch_below=below):
         plain = torch.compile(lambda a, b: tritonnorm.rms_norm(a, b) * 2, fullgraph=True)
         out, code = run_and_get_code(plain, x, w)
         added = torch.compile(lambda a, b, c: tritonnorm.fused_add_rms_norm(a, b, c)[0],

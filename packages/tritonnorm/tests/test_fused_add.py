@@ -93,10 +93,10 @@ def test_kernels_are_deterministic(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_rows(kernel_device, dtype):
     # Rows longer than one block: the add runs apart, then the long-row kernels.
-    from tritonnorm.ops import OPTIONS
+    from tritonnorm import _tuning
 
     x, r, w, dy, ds = _inputs((9, 100), dtype, torch.float32, torch.float32, 5, kernel_device)
-    with OPTIONS.override(max_fused_block_fwd=16, max_fused_block_bwd=16, loop_chunk=32,
+    with _tuning.override(max_fused_block_fwd=16, max_fused_block_bwd=16, loop_chunk=32,
                           loop_chunk_bwd=32):
         _check(FusedAddRMSNormFunction.apply, x, r, w, dy, ds)
 

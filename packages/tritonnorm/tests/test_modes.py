@@ -21,6 +21,8 @@ from tritonnorm import (
     RMSNorm,
     RMSNormFunction,
     RMSNormTorchFunction,
+    _library,
+    _tuning,
     fused_add_rms_norm,
     ops,
     rms_norm,
@@ -311,15 +313,16 @@ def test_every_kernel_path_every_variant(kernel_device, mode, offset, dtype, pat
         x, w, dy = _inputs((5, 70), dtype, wdtype, seed=9, device=kernel_device)
         llama = mode == "llama"
         if path == "looped":
-            with ops.OPTIONS.override(**LONG):
+            with _tuning.override(**LONG):
                 _check(lambda a, b, o=off: RMSNormFunction.apply(a, b, EPS, None, mode, o),
                        x, w, dy, mode, off)
         elif path == "reread":
-            y, _ = ops.rms_norm_fwd(x, w, EPS, config={"chunk": 16}, offset=off, llama=llama)
+            with _tuning.override(chunk=16):
+                y, _ = ops.rms_norm_fwd(x, w, EPS, offset=off, llama=llama)
             y_ref = _reference(x, w, dy, mode, off)[0]
             assert rel_err(y.cpu(), y_ref) < TOL[y.dtype]
         else:
-            if not ops.HAS_LIBRARY_OPS:
+            if not _library.HAS_LIBRARY_OPS:
                 pytest.skip("no torch.library operators in this PyTorch")
             with ops.OPTIONS.override(eager_op=True, interpret_cpu=True,
                                       eager_dispatch="kernels"):

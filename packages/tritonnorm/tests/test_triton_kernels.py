@@ -27,27 +27,45 @@ def _kernels():
 
 
 def _launcher():
-    from tritonnorm import ops
+    from tritonnorm import _machinery
 
-    return ops
+    return _machinery
 
 
 def _workspaces():
-    from tritonnorm import ops
+    from tritonnorm import _machinery
 
-    return ops
+    return _machinery
 
 
 def _launch_config():
-    from tritonnorm import ops
+    from tritonnorm import _tuning
 
-    return ops
+    return _tuning
 
 
-def _options():
-    from tritonnorm.ops import OPTIONS
+def _switches():
+    """The launch machinery's switches."""
+    from tritonnorm._machinery import SWITCHES
 
-    return OPTIONS
+    return SWITCHES
+
+
+def _launch():
+    from tritonnorm import _launch
+
+    return _launch
+
+
+def _fwd(x, w, eps, cfg=None, **kw):
+    """rms_norm_fwd with the launch configuration ``cfg`` forced (``_tuning.override``)."""
+    with _launch_config().override(**(cfg or {})):
+        return _kernels().rms_norm_fwd(x, w, eps, **kw)
+
+
+def _bwd(dy, x, w, rstd, cfg=None, **kw):
+    with _launch_config().override(**(cfg or {})):
+        return _kernels().rms_norm_bwd(dy, x, w, rstd, **kw)
 
 
 def _run(x, w, dy, eps=1e-5, fn=None):
@@ -83,8 +101,8 @@ def test_function_matches_float64(kernel_device, dtype, w32, shape):
 def test_looped_path(kernel_device, monkeypatch, dtype):
     # Force the looped kernels (rows longer than one block) on small rows.
     x, w, dy = random_inputs((9, 100), dtype, torch.float32, seed=3, device=kernel_device)
-    with _options().override(max_fused_block_fwd=16, max_fused_block_bwd=16, loop_chunk=32,
-                             loop_chunk_bwd=32):
+    with _launch_config().override(max_fused_block_fwd=16, max_fused_block_bwd=16,
+                                   loop_chunk=32, loop_chunk_bwd=32):
         _check(x, w, dy)
 
 
@@ -98,28 +116,26 @@ def test_forward_reread_path(kernel_device, dtype, shape, cfg):
     # The forward that reads x twice (sum of squares, then normalise from L2), on rows that
     # take several chunks, one chunk, or end in a partial chunk (H = 100); at 12 x 128 the
     # chunks and row tiles divide the shape, so "even" runs the kernel without masks.
-    k = _kernels()
     x, w, _ = random_inputs(shape, dtype, torch.float32, seed=5, device=kernel_device)
     y_ref, _, _ = reference_grads(x, w, torch.ones_like(x), 1e-5)
-    y, rstd = k.rms_norm_fwd(x, w, 1e-5, config=cfg)
-    y1, rstd1 = k.rms_norm_fwd(x, w, 1e-5, config={"chunk": 0})
+    y, rstd = _fwd(x, w, 1e-5, cfg=cfg)
+    y1, rstd1 = _fwd(x, w, 1e-5, cfg={"chunk": 0})
     assert rel_err(y, y_ref) < TOL[dtype]
     torch.testing.assert_close(rstd, rstd1, rtol=1e-5, atol=0)
 
 
 def _check_kernels(x, w, dy, cfg, eps=1e-5):
     """rms_norm_fwd/bwd with a launch config, every gradient combination, vs float64."""
-    k = _kernels()
     y_ref, dx_ref, dw_ref = reference_grads(x, w, dy, eps)
-    y, rstd = k.rms_norm_fwd(x, w, eps, config=cfg)
+    y, rstd = _fwd(x, w, eps, cfg=cfg)
     assert rel_err(y, y_ref) < TOL[x.dtype]
     scale = dx_scale(x, w, dy, eps)
-    dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
+    dx, dw = _bwd(dy, x, w, rstd, cfg=cfg)
     assert rel_err(dx, dx_ref, scale) < TOL[x.dtype]
     assert rel_err(dw, dw_ref) < TOL[w.dtype]
-    dx_only, none = k.rms_norm_bwd(dy, x, w, rstd, needs_dw=False, config=cfg)
+    dx_only, none = _bwd(dy, x, w, rstd, needs_dw=False, cfg=cfg)
     assert none is None and torch.equal(dx_only, dx)
-    none, dw_only = k.rms_norm_bwd(dy, x, w, rstd, needs_dx=False, config=cfg)
+    none, dw_only = _bwd(dy, x, w, rstd, needs_dx=False, cfg=cfg)
     assert none is None and torch.equal(dw_only, dw)
     return y, dx, dw
 
@@ -139,14 +155,13 @@ def test_cooperative_backward_without_weight_gradient(kernel_device, many_slices
     # wanted (no weight, a frozen one), because it runs faster so: dx must not change.
     if many_slices and kernel_device.type != "cuda":
         pytest.skip("several programs wait for each other: needs a GPU")
-    k = _kernels()
     x, w, dy = random_inputs((40, 1000), torch.bfloat16, torch.float32, seed=4,
                              device=kernel_device)
     cfg = {"looped": True, "coop": True, "coop_block": 256 if many_slices else 1024}
     for weight in (w, None):
-        rstd = k.rms_norm_fwd(x, weight, 1e-5, config=cfg)[1]
-        dx_all, dw = k.rms_norm_bwd(dy, x, weight, rstd, config=cfg)
-        dx, no_dw = k.rms_norm_bwd(dy, x, weight, rstd, needs_dw=False, config=cfg)
+        rstd = _fwd(x, weight, 1e-5, cfg=cfg)[1]
+        dx_all, dw = _bwd(dy, x, weight, rstd, cfg=cfg)
+        dx, no_dw = _bwd(dy, x, weight, rstd, needs_dw=False, cfg=cfg)
         assert no_dw is None and (dw is None) == (weight is None)
         assert torch.equal(dx, dx_all)
 
@@ -187,21 +202,20 @@ def test_backward_options_agree(kernel_device, monkeypatch, reduce):
     # loads in flight) change only the order of float32 additions or none: every variant
     # stays within tolerance of float64.
     k = _kernels()
-    monkeypatch.setattr(_options(), "fold_dw_sum", reduce == "fold")
-    if reduce != "fold":
-        monkeypatch.setattr(_options(), "dw_reduce", reduce)
-    x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
-                             device=kernel_device)
-    _check(x, w, dy)
-    rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
-    _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
-    for cfg in ({"block_r": 4, "row_sum": True}, {"block_r": 2, "programs_per_sm": 2},
-                {"block_r": 2, "stages": 3, "row_sum": True}, {"block_r": 4, "stages": 4},
-                {"stages": 1, "prefetch": True}, {"stages": 1, "prefetch": False},
-                {"looped": True, "chunk": 32}, {"looped": True, "coop": False, "chunk": 32}):
-        dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config=cfg)
-        assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
-        assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]
+    monkeypatch.setattr(_switches(), "fold_dw_sum", reduce == "fold")
+    with _launch_config().override(**({} if reduce == "fold" else {"dw_reduce": reduce})):
+        x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.bfloat16, seed=4,
+                                 device=kernel_device)
+        _check(x, w, dy)
+        rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
+        _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
+        for cfg in ({"block_r": 4, "row_sum": True}, {"block_r": 2, "programs_per_sm": 2},
+                    {"block_r": 2, "stages": 3, "row_sum": True}, {"block_r": 4, "stages": 4},
+                    {"stages": 1, "prefetch": True}, {"stages": 1, "prefetch": False},
+                    {"looped": True, "chunk": 32}, {"looped": True, "coop": False, "chunk": 32}):
+            dx, dw = _bwd(dy, x, w, rstd, cfg=cfg)
+            assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
+            assert rel_err(dw, dw_ref) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("shape,w_dtype", [((40, 70), torch.float32), ((1000, 1000), None),
@@ -218,13 +232,13 @@ def test_folded_dweight_sum(kernel_device, shape, w_dtype):
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
     _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
     cfg = {"fold": True, "block_r": 1}
-    runs = [k.rms_norm_bwd(dy, x, w, rstd, config=cfg) for _ in range(3)]
-    runs.append(k.rms_norm_bwd(dy, x, w, rstd, needs_dx=False, config=cfg))
+    runs = [_bwd(dy, x, w, rstd, cfg=cfg) for _ in range(3)]
+    runs.append(_bwd(dy, x, w, rstd, needs_dx=False, cfg=cfg))
     for _dx, dw in runs:
         assert dw.dtype == w.dtype and torch.equal(dw, runs[0][1])
         assert rel_err(dw, dw_ref) < TOL[w.dtype]
     assert rel_err(runs[0][0], dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.bfloat16]
-    unfolded = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": False, "block_r": 1})[1]
+    unfolded = _bwd(dy, x, w, rstd, cfg={"fold": False, "block_r": 1})[1]
     assert rel_err(runs[0][1], unfolded) < (1e-5 if w.dtype == torch.float32 else TOL[w.dtype])
     for c in _workspaces()._COUNTERS.values():
         assert c[0].item() == 0  # the arrival count, reset by the last arrival
@@ -238,11 +252,11 @@ def test_folded_sum_under_cuda_graphs():
     x, w, dy = random_inputs((2000, 1000), torch.bfloat16, torch.float32, seed=3,
                              device=torch.device("cuda"))
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
-    eager = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})  # makes the pool
+    eager = _bwd(dy, x, w, rstd, cfg={"fold": True})  # makes the pool
     free = len(_workspaces()._COUNTER_POOLS[x.get_device()])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True}) for _ in range(2)]
+        outs = [_bwd(dy, x, w, rstd, cfg={"fold": True}) for _ in range(2)]
     assert len(_workspaces()._COUNTER_POOLS[x.get_device()]) == free - 2
     for _ in range(3):
         graph.replay()
@@ -295,8 +309,8 @@ def test_forward_without_rstd(kernel_device, cfg):
     k = _kernels()
     x, w, _ = random_inputs((24, 96), torch.bfloat16, torch.float32, seed=13,
                             device=kernel_device)
-    y, rstd = k.rms_norm_fwd(x, w, 1e-5, config=cfg)
-    y2, none = k.rms_norm_fwd(x, w, 1e-5, config=cfg, need_rstd=False)
+    y, rstd = _fwd(x, w, 1e-5, cfg=cfg)
+    y2, none = _fwd(x, w, 1e-5, cfg=cfg, need_rstd=False)
     assert none is None and rstd is not None and torch.equal(y, y2)
     assert k.rms_norm_fwd(x[:0], w, 1e-5, need_rstd=False)[1] is None
 
@@ -333,8 +347,8 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
     # A cooperative launch the driver refuses (grid not resident at once) is retried
     # with the partials summed by a second kernel, and that shape is remembered.
     k = _kernels()
-    monkeypatch.setattr(k, "_FOLD_REFUSED", set())
-    real = k._launch
+    monkeypatch.setattr(_launcher(), "_FOLD_REFUSED", set())
+    real = _launcher().launch
     refused = []
 
     def refusing(kernel, grid, args, consts, num_warps, cooperative=False):
@@ -343,19 +357,19 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
             raise RuntimeError("too many blocks in cooperative launch")
         return real(kernel, grid, args, consts, num_warps, cooperative)
 
-    monkeypatch.setattr(k, "_launch", refusing)
-    monkeypatch.setattr(_options(), "cooperative_launch", True)
+    monkeypatch.setattr(_launcher(), "launch", refusing)
+    monkeypatch.setattr(_launch(), "COOPERATIVE", True)
     x, w, dy = random_inputs((20, 64), torch.float32, torch.float32, seed=12,
                              device=kernel_device)
     rstd = k.rms_norm_fwd(x, w, 1e-5)[1]
     _, dx_ref, dw_ref = reference_grads(x, w, dy, 1e-5)
     with pytest.warns(RuntimeWarning, match="refused"):
-        dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})
+        dx, dw = _bwd(dy, x, w, rstd, cfg={"fold": True})
     for _ in range(2):
         assert rel_err(dw, dw_ref) < TOL[torch.float32]
         assert rel_err(dx, dx_ref, dx_scale(x, w, dy, 1e-5)) < TOL[torch.float32]
-        dx, dw = k.rms_norm_bwd(dy, x, w, rstd, config={"fold": True})  # no second try
-    assert len(refused) == 1 and len(k._FOLD_REFUSED) == 1
+        dx, dw = _bwd(dy, x, w, rstd, cfg={"fold": True})  # no second try
+    assert len(refused) == 1 and len(_launcher()._FOLD_REFUSED) == 1
 
 
 @given(n_cols=st.integers(1, 16384), n_part=st.integers(1, 600),
@@ -364,7 +378,7 @@ def test_folded_sum_falls_back_when_the_driver_refuses(kernel_device, monkeypatc
 def test_fold_layout_covers_every_column(n_cols, n_part, max_summers, max_tile):
     # Summer r takes column blocks r, r + summers, ...: with at most max_summers and
     # n_part summers, and none without a block, every column is summed exactly once.
-    block_p, block_c, summers = _launch_config().fold_layout(n_cols, n_part, max_summers, max_tile)
+    block_p, block_c, summers = _workspaces().fold_layout(n_cols, n_part, max_summers, max_tile)
     assert 1 <= summers <= min(n_part, max_summers)
     assert (summers - 1) * block_c < n_cols
     assert block_p * block_c <= max(max_tile, 16 * 8) and block_p >= 16 and block_c >= 8
@@ -380,8 +394,8 @@ def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
                              device=torch.device("cuda"))
     cfg = {"looped": True, "coop": True, "coop_block": 64, "coop_warps": 4}
     results = []
-    for cooperative in (False, _options().cooperative_launch):
-        monkeypatch.setattr(_options(), "cooperative_launch", cooperative)
+    for cooperative in (False, _launch().COOPERATIVE):
+        monkeypatch.setattr(_launch(), "COOPERATIVE", cooperative)
         results.append(_check_kernels(x, w, dy, cfg))
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -389,7 +403,7 @@ def test_cooperative_launch_matches_ordinary_launch(monkeypatch):
 
 def test_cooperative_launch_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from tritonnorm.ops import _has_cooperative_launch
+    from tritonnorm._launch import _has_cooperative_launch
 
     assert not _has_cooperative_launch()
 
@@ -437,7 +451,7 @@ def test_direct_launch_matches_jit_launch(monkeypatch, dtype, rows, h, hooked):
     # launcher with tensor addresses) and, with a launch hook registered, Triton's full
     # launch path; inputs at an address that is not 16-byte aligned take their own kernel.
     k = _kernels()
-    if not _options().direct_launch:
+    if not _switches().direct_launch:
         pytest.skip("this Triton has no direct launch")
     calls = []
 
@@ -454,11 +468,11 @@ def test_direct_launch_matches_jit_launch(monkeypatch, dtype, rows, h, hooked):
         misaligned = x.view(-1)[1:rows * h + 1].view(rows, h)
         outs = []  # [jit aligned, jit misaligned, direct aligned, direct misaligned, ...]
         for direct in (False, True, True):
-            monkeypatch.setattr(_options(), "direct_launch", direct)
+            monkeypatch.setattr(_switches(), "direct_launch", direct)
             for xs, dys in ((x[:rows], dy[:rows]), (misaligned, dy[1:])):
                 y, rstd = k.rms_norm_fwd(xs, w, 1e-5)
                 outs.append((y, *k.rms_norm_bwd(dys, xs, w, rstd)))
-        assert _options().direct_launch, "the direct launch fell back to the JIT"
+        assert _switches().direct_launch, "the direct launch fell back to the JIT"
     finally:
         if hooked:
             _launcher()._HOOKS[0].remove(hook)
@@ -548,7 +562,7 @@ def test_all_implementations_agree(rows, h, dtype, eps, scale, seed):
 
 
 def test_compiler_ops_and_compile(kernel_device):
-    from tritonnorm import ops as compiler_ops
+    from tritonnorm import _library as compiler_ops
 
     if not compiler_ops.HAS_LIBRARY_OPS:
         pytest.skip("torch.library.custom_op needs PyTorch 2.4")
@@ -575,3 +589,23 @@ def test_module_compile_fullgraph_cuda():
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(4, 16, 64, device="cuda")
     assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_launch_machinery_switches_off_as_a_unit(kernel_device, monkeypatch):
+    # OPTIONS.launch_machinery=False: every kernel through Triton's own launch, nothing of
+    # _machinery (direct launcher, plans, pooled scratch, folded sum) touched.
+    from tritonnorm.ops import OPTIONS
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("the launch machinery ran")
+
+    for name in ("launch", "replay_forward", "replay_backward", "partials_buffer",
+                 "folded_backward", "record_forward", "backward_key"):
+        monkeypatch.setattr(_launcher(), name, untouchable)
+    x, w, dy = random_inputs((21, 70), torch.bfloat16, torch.float32, seed=6,
+                             device=kernel_device)
+    with OPTIONS.override(launch_machinery=False):
+        _check(x, w, dy)
+        _check(x, w, dy)  # a shape seen before: still no plan
+        with _launch_config().override(looped=True, chunk=32):
+            _check(x, w, dy)

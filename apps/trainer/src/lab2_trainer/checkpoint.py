@@ -1,7 +1,13 @@
-"""Checkpoints: written atomically, read back with every field and every tensor checked.
+"""Single-file checkpoints: written atomically, read back with every field and every
+tensor checked.
 
-A checkpoint is one ``torch.save`` file holding only tensors and plain Python values (so
-it loads with ``weights_only=True``):
+A run saves sharded checkpoints (:mod:`lab2_trainer.checkpoint_folders`); this format is
+what ``lab2-train export`` writes from one, what earlier versions saved, and what
+``--resume`` also takes. The small state of a sharded checkpoint (its ``trainer.pt``) is
+this format without the model and the optimizer's tensors (``sharded: True``).
+
+A single-file checkpoint is one ``torch.save`` file holding only tensors and plain Python
+values (so it loads with ``weights_only=True``):
 
 * ``format``/``version``: what this file is;
 * ``model_config``: the model's fields; ``model``: its state dict;
@@ -88,7 +94,7 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
-    """A checkpoint file, or a run folder holding ``ckpt.pt``."""
+    """A single-file checkpoint, or a run folder holding ``ckpt.pt``."""
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / CHECKPOINT_NAME
@@ -98,14 +104,25 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and check a checkpoint.
+    """Read and check a single-file checkpoint.
 
     Raises:
         UsageError: missing, unreadable, truncated, not ours, from another version,
             damaged (a tensor that does not match its checksum: the first is named), or
             holding NaN or infinity in the model or the optimizer state.
     """
-    p = resolve_checkpoint_path(path)
+    return read_sealed(resolve_checkpoint_path(path))
+
+
+#: What the small state of a sharded checkpoint (its ``trainer.pt``) holds: a
+#: single-file checkpoint's fields but the model's and the optimizer's tensors.
+SHARDED_REQUIRED_KEYS = tuple(k for k in REQUIRED_KEYS if k not in ("model", "optimizer")) \
+    + ("optimizer_groups",)
+
+
+def read_sealed(p: Path, *, shards: bool = False) -> dict[str, Any]:
+    """Read and check a sealed file: a single-file checkpoint, or with ``shards`` the
+    ``trainer.pt`` of a sharded one (see :mod:`lab2_trainer.checkpoint_folders`)."""
     try:
         with warnings.catch_warnings():
             # torch warns about what it is about to refuse (a plain pickle's protocol):
@@ -125,11 +142,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"{p} is checkpoint version {ckpt.get('version')}; this trainer reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if bool(ckpt.get("sharded")) != shards:
+        raise UsageError(f"{p} is the small state of a sharded checkpoint: resume from its "
+                         "folder" if not shards else f"{p} is not a sharded checkpoint's state")
     if ckpt["version"] >= 2:
         damage = first_damage(ckpt)
         if damage:
             raise UsageError(f"checkpoint {p} is damaged: {damage}")
-    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    missing = [k for k in (SHARDED_REQUIRED_KEYS if shards else REQUIRED_KEYS) if k not in ckpt]
     if missing:
         raise UsageError(f"checkpoint {p} lacks {', '.join(missing)}")
     bad = first_non_finite(ckpt)

@@ -140,12 +140,46 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
 
 
 def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
+    """The newest checkpoint of any run under ``root``: its newest complete step folder
+    (or a single ``ckpt.pt`` of an earlier version)."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint_folders import CKPT_DIR, MANIFEST, newest_step
 
-    found = sorted(root.glob(f"*/{CHECKPOINT_NAME}"), key=lambda p: p.stat().st_mtime)
+    found = [p for p in (newest_step(run / CKPT_DIR) for run in root.glob("*")
+                         if run.is_dir()) if p is not None]
+    found += list(root.glob(f"*/{CHECKPOINT_NAME}"))
     if not found:
-        raise UsageError(f"--resume without a path: no {root}/*/{CHECKPOINT_NAME} found")
-    return found[-1]
+        raise UsageError(f"--resume without a path: no {root}/*/{CKPT_DIR}/step-N/{MANIFEST} "
+                         f"nor {root}/*/{CHECKPOINT_NAME} found")
+    mtime = {p: (p / MANIFEST if p.is_dir() else p).stat().st_mtime for p in found}
+    return max(found, key=mtime.get)
+
+
+def load_resume_state(path: Path) -> dict[str, Any]:
+    """The checkpoint ``--resume`` resolved to, checked: a single file read whole, or a
+    step folder's every file checked against its manifest and its small state read (its
+    tensors are read a few at a time, to check that they are finite: the ranks then read
+    their parts)."""
+    from lab2_trainer.checkpoint import load_checkpoint
+    from lab2_trainer.checkpoint_folders import first_non_finite, load_trainer_state, verify
+
+    if path.is_file():
+        return load_checkpoint(path)
+    verify(path)
+    state = load_trainer_state(path)
+    bad = first_non_finite(path)
+    if bad:
+        raise UsageError(f"checkpoint {path} is unusable: {bad}")
+    return state
+
+
+def run_folder_of(path: Path) -> Path:
+    """The run folder a checkpoint belongs to: a file's folder, a step folder's run."""
+    from lab2_trainer.checkpoint_folders import CKPT_DIR
+
+    if path.is_dir() and path.parent.name == CKPT_DIR:
+        return path.parent.parent
+    return path.parent
 
 
 def _torchrun_world() -> int | None:
@@ -163,7 +197,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         (settings, corpus) with the corpus loaded once here, which also checks the data
         and warms its cache before the ranks start.
     """
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, resolve_checkpoint_path
+    from lab2_trainer.checkpoint_folders import has_checkpoint
+    from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
     from lab2_trainer.data import check_batch_layout, load_corpus
     from lab2_trainer.validate_inputs import (
         check_checkpoint_fits,
@@ -172,6 +207,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         check_memory,
         check_out_path,
         check_path_length,
+        check_sharded_checkpoint_fits,
     )
 
     explicit, model_overrides = dict(given[0]), dict(given[1])
@@ -187,12 +223,12 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     if resume is not None:
         if resume:
             check_input_path(resume, "--resume", missing="checkpoint not found")
-            path = resolve_checkpoint_path(resume)
+            path = resolve_checkpoint(resume)
         elif out:
-            path = resolve_checkpoint_path(out)
+            path = resolve_checkpoint(out)
         else:
             path = _newest_run_checkpoint()
-        ckpt = load_checkpoint(path)
+        ckpt = load_resume_state(path)
         try:
             saved = TrainSettings.from_dict(ckpt["settings"])
             saved_model = ModelConfig.from_dict(ckpt["model_config"])
@@ -211,7 +247,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
             device_type = _device_type(saved.device)
         keep = resumed_settings(saved, explicit, device_type, torchrun_world)
         settings = TrainSettings(model=saved_model, **keep)
-        settings.out = out or str(path.parent)
+        settings.out = out or str(run_folder_of(path))
         settings.resume = str(path)
     else:
         try:
@@ -224,15 +260,14 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
             raise UsageError(str(exc)) from None
         stamp = time.strftime("%Y%m%d-%H%M%S")
         settings.out = out or os.path.join("runs", f"{preset or 'tiny'}-{stamp}")
-        existing = Path(settings.out) / CHECKPOINT_NAME
-        if existing.exists():
+        if has_checkpoint(settings.out):
             from lab2_trainer.run_folder import in_use_message, live_claim
 
             owner = live_claim(settings.out)
             if owner is not None:
                 raise UsageError(in_use_message(settings.out, owner))
-            raise UsageError(f"{existing} exists: pass --resume to continue that run, or "
-                             "choose another --out (nothing was overwritten)")
+            raise UsageError(f"{settings.out} holds a checkpoint: pass --resume to continue "
+                             "that run, or choose another --out (nothing was overwritten)")
     try:
         # The defaults that depend on the device and the ranks: nproc, ddp, sharding.
         world_size = settings.resolve(torchrun_world, device_type).nproc
@@ -255,13 +290,17 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
                              f"fewer than one window of context_length + 1 = {need}")
     if ckpt is not None and ckpt["data"] != corpus.identity():
         raise UsageError(f"checkpoint was trained on {ckpt['data']}, not on {corpus.identity()}")
-    if ckpt is not None:
+    if ckpt is not None and ckpt.get("sharded"):
+        from lab2_trainer.checkpoint_folders import saved_tensors
+
+        check_sharded_checkpoint_fits(ckpt, saved_tensors(path), settings, path)
+    elif ckpt is not None:
         check_checkpoint_fits(ckpt, settings, path)
-        if settings.steps <= ckpt["step"]:
-            where = (f"--steps {settings.steps} is not beyond it" if "steps" in explicit
-                     else f"the end of its run (steps = {settings.steps})")
-            raise UsageError(f"checkpoint {path} is at step {ckpt['step']}, {where}: nothing "
-                             f"to train (pass --steps N with N > {ckpt['step']} to extend it)")
+    if ckpt is not None and settings.steps <= ckpt["step"]:
+        where = (f"--steps {settings.steps} is not beyond it" if "steps" in explicit
+                 else f"the end of its run (steps = {settings.steps})")
+        raise UsageError(f"checkpoint {path} is at step {ckpt['step']}, {where}: nothing "
+                         f"to train (pass --steps N with N > {ckpt['step']} to extend it)")
     return settings, corpus
 
 
@@ -333,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         from lab2_trainer.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
@@ -393,19 +434,40 @@ def checkpoint_note(settings) -> str:
     """What a stopped run says of its checkpoints: the last one is intact, or none was
     written (and the one resumed from, if any, is untouched)."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint_folders import CKPT_DIR, newest_step
 
-    if (Path(settings.out) / CHECKPOINT_NAME).exists():
+    out = Path(settings.out)
+    if (out / CHECKPOINT_NAME).is_file() or (
+            (out / CKPT_DIR).is_dir() and newest_step(out / CKPT_DIR) is not None):
         return "the last checkpoint is intact"
     if settings.resume:
         return f"no checkpoint was written yet; {settings.resume} is untouched"
     return "no checkpoint was written yet"
 
 
+def export_main(argv: list[str]) -> int:
+    """``lab2-train export CKPT OUT``: a sharded checkpoint as one file."""
+    p = _Parser(prog="lab2-train export",
+                description="Write a sharded checkpoint (a step folder, or the newest of a "
+                "run) as one file: a plain torch.load holding the model's state dict and "
+                "AdamW's own state dict, which --resume also takes.")
+    p.add_argument("checkpoint", metavar="CKPT", help="a run folder, its ckpt/ folder or a "
+                   "ckpt/step-N folder")
+    p.add_argument("out", metavar="OUT", help="the file to write")
+    try:
+        args = p.parse_args(argv)
+        from lab2_trainer.checkpoint_folders import write_export
+
+        return write_export(args.checkpoint, args.out)
+    except UsageError as exc:
+        return _error(str(exc))
+
+
 def _claim_out(settings):
     """Claim ``--out`` for this run (refused while another live run holds it), then remove
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint_folders import has_checkpoint
     from lab2_trainer.run_folder import (
         LOCK_NAME,
         claim_folder,
@@ -415,11 +477,10 @@ def _claim_out(settings):
 
     claim = claim_folder(settings.out)
     try:
-        existing = Path(settings.out) / CHECKPOINT_NAME
-        if settings.resume is None and existing.exists():
+        if settings.resume is None and has_checkpoint(settings.out):
             # A run finished there between the first check and the claim.
-            raise UsageError(f"{existing} exists: pass --resume to continue that run, or "
-                             "choose another --out (nothing was overwritten)")
+            raise UsageError(f"{settings.out} holds a checkpoint: pass --resume to continue "
+                             "that run, or choose another --out (nothing was overwritten)")
         removed = clean_stale_temporaries(settings.out, only_dead_writers=False)
         if settings.resume is not None:
             source = Path(settings.resume).parent

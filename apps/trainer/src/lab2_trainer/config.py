@@ -27,6 +27,7 @@ import ast
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,6 +277,20 @@ def default_layout(world_size: int, sharding: str | None, ddp: str | None
     return sharding, ddp
 
 
+def step_range(label: str, text: Any) -> tuple[int, int]:
+    """``"A:B"`` as the steps (A, B), with 1 <= A <= B; else ``ValueError`` naming
+    ``label``."""
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text, re.ASCII) \
+        if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{label} must be A:B, two step numbers, got {text!r}")
+    a, b = int(match[1]), int(match[2])
+    if not 1 <= a <= b:
+        raise ValueError(f"{label} must be A:B with 1 <= A <= B, got {text!r}")
+    _integer(label, b, 1)
+    return a, b
+
+
 def flag(name: str) -> str:
     """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
@@ -375,10 +390,16 @@ class TrainSettings:
     """Output folder."""
     resume: str | None = setting(None, group="outputs", nargs="?", const="", metavar="PATH",
                                  default_text="no")
-    """Continue from a checkpoint (file or run folder; alone: --out's, or the newest under
-    runs/), with every setting of its run unless a flag gives it."""
+    """Continue from a checkpoint (a run folder or its ckpt/ folder: the newest complete
+    step there; a ckpt/step-N folder; or a single file of lab2-train export; alone: --out's,
+    or the newest under runs/), with every setting of its run unless a flag gives it."""
     ckpt_every: int = setting(0, group="outputs", default_text="at the end")
-    """Checkpoint every N steps."""
+    """Checkpoint every N steps (into <out>/ckpt/step-N/, every rank writing its part)."""
+    keep_last: int = setting(1, group="outputs", metavar="K")
+    """Complete checkpoints kept in <out>/ckpt/ (0: all)."""
+    ckpt_async: bool = setting(True, group="outputs")
+    """Write checkpoints in the background while training goes on (the step waits only
+    for a copy to CPU memory)."""
     eval_every: int = setting(50, group="outputs")
     """Validate every N steps (0: only at the end)."""
     eval_batches: int = setting(8, group="outputs")
@@ -387,6 +408,11 @@ class TrainSettings:
     """Log line every N steps when the console is not a terminal."""
     sample_tokens: int = setting(300, group="outputs")
     """Length of the text sample generated at the end (0: none)."""
+    profile_steps: str | None = setting(None, group="outputs", metavar="A:B",
+                                        default_text="none")
+    """Trace training steps A to B (counted from 1, both included) with torch.profiler and
+    write the trace (Chrome trace JSON: chrome://tracing, Perfetto) into the run folder,
+    one file per rank."""
     quiet: bool = setting(False, group="outputs")
     """No progress bar nor per-step console output (files are still written)."""
     plot: bool = setting(True, group="outputs")
@@ -441,11 +467,16 @@ class TrainSettings:
         _one_of(flag("sharding"), self.sharding, SHARDING_KINDS)
         _number(flag("timeout"), self.timeout, lambda v: 0 < v <= MAX_SECONDS,
                 f"> 0 and at most {MAX_SECONDS:,.0f} (a year)")
-        for name in ("ckpt_every", "eval_every"):
+        for name in ("ckpt_every", "eval_every", "keep_last"):
             _integer(flag(name), getattr(self, name), 0)
         _integer(flag("eval_batches"), self.eval_batches, 1)
         _integer(flag("log_every"), self.log_every, 1)
         _integer(flag("sample_tokens"), self.sample_tokens, 0)
+        if self.profile_steps is not None:
+            first, last = step_range(flag("profile_steps"), self.profile_steps)
+            if isinstance(self.steps, int) and last > self.steps:
+                raise ValueError(f"{flag('profile_steps')} {self.profile_steps} ends after the "
+                                 f"run's last step ({flag('steps')} {self.steps})")
         _one_of(flag("device_type"), self.device_type, DEVICE_TYPES)
 
     def validate(self, world_size: int) -> TrainSettings:

@@ -300,11 +300,19 @@ class Parallel:
 
     @property
     def gradient_order(self) -> list[int] | None:
-        """minddp's learned launch order (``GradSync``'s; None for the other kinds)."""
+        """The learned bucket order, for checkpoints: minddp's launch order
+        (``GradSync``'s), or with zero1 and zero2 the order ShardedOptimizer's buckets
+        follow after the first step; None for the other kinds."""
+        if self.zero_reduces:
+            return self.optimizer.gradient_order
         return self.sync.gradient_order
 
     def set_gradient_order(self, order: list[int] | None) -> None:
-        self.sync.set_gradient_order(order)
+        """Follow a checkpoint's order (a collective with zero1 and zero2)."""
+        if self.zero_reduces:
+            self.optimizer.set_gradient_order(order)
+        else:
+            self.sync.set_gradient_order(order)
 
     # ----------------------------------------------------------------- checkpoints
     def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:

@@ -42,15 +42,23 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.checkpoint import (
-    CHECKPOINT_NAME,
     FORMAT,
     VERSION,
     load_checkpoint,
     rng_state,
-    save_atomic,
     set_rng_state,
 )
-from lab2_trainer.config import BACKWARD_THREADS, PRECISIONS, TrainSettings, UsageError
+from lab2_trainer.checkpoint_folders import load_trainer_state
+from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
+from lab2_trainer.checkpoint_writer import Checkpointer
+from lab2_trainer.config import (
+    BACKWARD_THREADS,
+    PRECISIONS,
+    TrainSettings,
+    UsageError,
+    flag,
+    step_range,
+)
 from lab2_trainer.data import (
     BatchSampler,
     Prefetcher,
@@ -61,6 +69,7 @@ from lab2_trainer.data import (
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
     SAMPLE_NAME,
@@ -217,10 +226,16 @@ class Trainer:
         s = settings
         check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
         self.corpus = load_corpus(s.data, s.vocab_size)
-        ckpt = load_checkpoint(s.resume) if s.resume else None
+        # A single-file checkpoint is loaded whole here; a sharded one (a step folder) by
+        # every rank into its own part once the model is set up (load_shards).
+        resume = resolve_checkpoint(s.resume) if s.resume else None
+        sharded = resume is not None and resume.is_dir()
+        ckpt = None
+        if resume is not None:
+            ckpt = load_trainer_state(resume) if sharded else load_checkpoint(resume)
         self.model = TransformerLM(s.model, seed=s.seed, device=ctx.device,
                                    activation_checkpointing=s.activation_checkpointing)
-        if ckpt is not None:
+        if ckpt is not None and not sharded:
             try:
                 self.model.load_state_dict(ckpt["model"])
             except RuntimeError as exc:
@@ -251,41 +266,69 @@ class Trainer:
         if s.precision == "fp16":
             self.scaler = torch.amp.GradScaler(ctx.device.type)
         self.step = 0
+        if sharded:
+            # The bucket order first (zero1 rebuilds its buckets), then each rank's part.
+            self.set_gradient_order(ckpt.get("gradient_order"))
+            self.load_shards(resume)
         if ckpt is not None:
             self._restore(ckpt)
+        # Every rank, here (it makes the writer's process group).
+        self.checkpointer = Checkpointer(s.out, self.model, self.optimizer, s.sharding,
+                                         ctx.device, asynchronous=s.ckpt_async,
+                                         keep_last=s.keep_last)
         # After the restore, so it starts from the checkpoint's position in the stream.
         self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
                                   ctx.device)
         self.peak = device_peak(ctx.device)
 
-    def _restore(self, ckpt: dict[str, Any]) -> None:
+    def load_shards(self, folder: Path) -> None:
+        """Read this rank's part of the model and of AdamW's state from a sharded
+        checkpoint (every rank; collectives). The launcher checked it whole first
+        (manifest, checksums, shapes, finite values)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from lab2_trainer.checkpoint_folders import saved_tensors
+        from lab2_trainer.sharded_checkpoint import load_into
+
         try:
-            self.parallel.load_full_optimizer_state(ckpt["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise UsageError(f"checkpoint optimizer state does not fit: {exc}") from None
+            load_into(self.model, self.optimizer, self.s.sharding,
+                      FileSystemReader(str(folder)), set(saved_tensors(folder)))
+        except ValueError as exc:
+            raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
+
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        try:
+            self.parallel.set_gradient_order(order)
+        except ValueError as exc:
+            raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        if not ckpt.get("sharded"):
+            try:
+                self.parallel.load_full_optimizer_state(ckpt["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise UsageError(f"checkpoint optimizer state does not fit: {exc}") from None
         self.sampler.load_state_dict(ckpt["sampler"])
         set_rng_state(ckpt["rng"], self.ctx.device)
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
-        try:
-            self.parallel.set_gradient_order(ckpt.get("gradient_order"))
-        except ValueError as exc:
-            raise UsageError(f"checkpoint gradient order does not fit: {exc}") from None
+        self.set_gradient_order(ckpt.get("gradient_order"))
         self.step = int(ckpt["step"])
 
-    def save_checkpoint(self, path: Path) -> None:
-        """Gather the whole model and optimizer state (collectives) and write the
-        checkpoint on rank 0, in the same format whatever the sharding."""
-        model_state = self.parallel.full_model_state(self.ctx.rank)
-        optimizer_state = self.parallel.full_optimizer_state(self.ctx.rank)
+    def save_checkpoint(self) -> None:
+        """Save a sharded checkpoint of this step: every rank writes its own part, in the
+        background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing is
+        gathered. The stall is recorded in ``checkpointer.stalls``."""
+        from zero1.checkpoint import pack_param_groups
 
-        def write() -> None:
-            save_atomic({
+        state = None
+        if self.ctx.is_main:
+            state = {
                 "format": FORMAT,
                 "version": VERSION,
+                "sharded": True,
                 "model_config": self.s.model.to_dict(),
-                "model": model_state,
-                "optimizer": optimizer_state,
+                "optimizer_groups": pack_param_groups(self.optimizer.param_groups),
                 "schedule": self.schedule.state_dict(),
                 "step": self.step,
                 "settings": self.s.to_dict(),
@@ -294,14 +337,28 @@ class Trainer:
                 "rng": rng_state(self.ctx.device),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "world_size": self.ctx.world_size,
-                # minddp's learned launch order: a resumed run at this world size then
-                # sums every gradient in the same order, bit for bit (None: not learned,
-                # as with zero1/zero2, whose buckets follow the parameter order).
+                # The learned bucket order (minddp's, or zero1's): a resumed run at this
+                # world size then sums every gradient in the same order, bit for bit
+                # (None: nothing learned).
                 "gradient_order": self.parallel.gradient_order,
-            }, path)
+            }
+        self.report_checkpoint_error(self.checkpointer.wait())
+        self.checkpointer.save(self.step, state)
 
-        # Rank 0 writes alone: the others wait without --timeout bounding the write.
-        rank0_alone(self.ctx, "writing the checkpoint", write, self.s.timeout)
+    def finish_checkpoints(self) -> None:
+        """Wait for the save in flight (the end of a run); a failed last save fails the
+        run."""
+        error = self.checkpointer.wait()
+        if error is not None:
+            raise RuntimeError(error)
+
+    def report_checkpoint_error(self, error: str | None) -> None:
+        """One line on stderr for a background save that failed; training goes on."""
+        if error is not None:
+            import sys
+
+            print(f"lab2-train: warning: rank {self.ctx.rank}: {error}", file=sys.stderr,
+                  flush=True)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (this rank's mean loss, gradient norm before
@@ -353,7 +410,6 @@ class Trainer:
     def _run(self, stop_at: int | None) -> dict[str, Any]:
         s, ctx, clock = self.s, self.ctx, self.clock
         out = Path(s.out)
-        ckpt_path = out / CHECKPOINT_NAME
         reporter = None
         entropy = None
         if ctx.is_main:
@@ -370,11 +426,19 @@ class Trainer:
         pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
         windows: list[tuple[int, float]] = []  # (steps, seconds) between fetches
         first_step_s: float | None = None  # this invocation's first step (compilation)
+        profiler = None
+        if s.profile_steps:
+            profiler = StepProfiler(*step_range(flag("profile_steps"), s.profile_steps), out,
+                                    ctx.rank, ctx.device)
         clock.switch("training")
         window_start = time.perf_counter()
         try:
             while self.step < end:
-                loss, grad_norm = self.train_step()
+                with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
+                    loss, grad_norm = self.train_step()
+                if profiler is not None and profiler.due(self.step):
+                    with clock.phase("other"):
+                        profiler.finish()
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
@@ -403,15 +467,20 @@ class Trainer:
                             reporter.step(record)
                 if checkpoint_now:
                     with checkpoint_stall():
-                        self.save_checkpoint(ckpt_path)
+                        self.save_checkpoint()
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
                 with clock.phase("evaluation"):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
+            # The end of the run waits for the save in flight: a stall too.
+            with checkpoint_stall():
+                self.finish_checkpoints()
         finally:
             clock.switch("other")
+            if profiler is not None:  # the steps traced so far, when the run ends early
+                profiler.finish()
             if reporter is not None:
                 reporter.close()
         train_seconds = time.perf_counter() - t0
@@ -430,13 +499,15 @@ class Trainer:
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
+            "checkpoint_stall_seconds": sum(self.checkpointer.stalls),
+            "checkpoint_stall_max_seconds": max(self.checkpointer.stalls, default=0.0),
         }
         # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
         with clock.phase("sampling"):
             sample_model = self.sampling_model() if s.sample_tokens else None
         # Rank 0's work alone: the others wait without --timeout bounding a long sample.
         rank0_alone(ctx, "at the end of the run (plot, sample, summary)",
-                    lambda: self._finish(reporter, summary, entropy, sample_model,
+                    lambda: self._finish(reporter, summary, entropy, sample_model, profiler,
                                          first_step_s, windows), s.timeout)
         if reporter is None:
             summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
@@ -444,17 +515,20 @@ class Trainer:
 
     def _finish(self, reporter: RunReporter | None, summary: dict[str, Any],
                 entropy: float | None, sample_model: TransformerLM | None,
-                first_step_s: float | None,
+                profiler: StepProfiler | None, first_step_s: float | None,
                 windows: list[tuple[int, float]]) -> None:
         """Rank 0's end of the run: the loss curve, the sample, the summary."""
         s, clock, out = self.s, self.clock, Path(self.s.out)
-        ckpt_path = out / CHECKPOINT_NAME
         if reporter is not None:
             summary.update(provenance())
-            outputs = {"metrics": str(out / "metrics.jsonl"), "checkpoint": str(ckpt_path)}
+            outputs = {"metrics": str(out / "metrics.jsonl")}
+            if self.checkpointer.saved:
+                outputs["checkpoint"] = str(self.checkpointer.saved[-1])
             plot = reporter.plot(entropy) if s.plot else None
             if plot is not None:
                 outputs["loss curve"] = str(plot)
+            if profiler is not None and profiler.written is not None:
+                outputs["profile trace"] = str(profiler.written)
             if s.sample_tokens:
                 with clock.phase("sampling"):
                     text = self.sample(s.sample_tokens, sample_model)

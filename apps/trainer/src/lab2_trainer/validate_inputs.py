@@ -201,14 +201,16 @@ def check_output_file(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-#: The files a run writes in its ``--out`` folder, besides its checkpoint.
+#: The files a run writes in its ``--out`` folder, and the folder of its checkpoints.
 RUN_FILES = ("settings.toml", "metrics.jsonl", "summary.json", "sample.txt",
              "loss_curve.png", "ckpt.pt")
+RUN_FOLDERS = ("ckpt",)
 
 
 def check_out_path(out: str) -> None:
     """``out`` is an existing folder, or a path where a folder can be made; the files a run
-    writes there (:data:`RUN_FILES`) are absent or regular files.
+    writes there (:data:`RUN_FILES`) are absent or regular files, and its checkpoint folder
+    (:data:`RUN_FOLDERS`) absent or a folder.
 
     Raises:
         UsageError: it is empty, too long, a file, a parent is a file, it cannot be
@@ -223,10 +225,14 @@ def check_out_path(out: str) -> None:
         raise UsageError(f"--out {shown(out)} exists and is not a folder (nothing was "
                          "written)")
     if st is not None:
-        for name in RUN_FILES:
+        for name in RUN_FILES + RUN_FOLDERS:
             found = _stat(p / name, "--out")
             kind = found is not None and _kind(found.st_mode)
-            if kind and not (name == "ckpt.pt" and stat.S_ISDIR(found.st_mode)):
+            if name in RUN_FOLDERS and found is not None and not stat.S_ISDIR(found.st_mode):
+                raise UsageError(f"--out {shown(out)}: {name} there is "
+                                 f"{kind or 'a regular file'}, not the folder a run keeps its "
+                                 "checkpoints in (nothing was written)")
+            if kind and name in RUN_FILES:
                 raise UsageError(f"--out {shown(out)}: {name} there is {kind}; a run writes "
                                  "only new or regular files (nothing was written)")
     probe = p
@@ -410,7 +416,62 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
     except (TypeError, ValueError) as exc:
         raise UsageError(f"checkpoint {path}: {exc}") from None
     _check_adamw_content(ckpt["optimizer"], opt.param_groups, settings, path)
-    _check_gradient_order(ckpt.get("gradient_order"), len(list(model.parameters())), path)
+    _check_run_state(ckpt, settings, path, len(list(model.parameters())))
+
+
+def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any],
+                                  settings: Any, path: Any) -> None:
+    """A sharded checkpoint (its ``trainer.pt`` and DCP's metadata, ``tensors``) fits the
+    run about to start: every parameter's flat tensor of its size, AdamW's state whole or
+    absent for each, nothing else; then what :func:`check_checkpoint_fits` checks of the
+    rest. No tensor is read.
+
+    Raises:
+        UsageError: one line naming the checkpoint and the first thing that does not fit.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lab2_trainer.parallel import param_groups
+    from lab2_trainer.sharded_checkpoint import MOMENTS, model_key, parameter_names, state_key
+
+    model = shape_model(settings.model)
+    names = parameter_names(model)
+    sizes = {}
+    for p in model.parameters():
+        name = names[id(p)]
+        sizes[model_key(name)] = p.numel()
+        if state_key(name, "exp_avg") in tensors:
+            sizes.update({state_key(name, m): p.numel() for m in MOMENTS})
+            sizes[state_key(name, "step")] = 1
+    for key, numel in sizes.items():
+        md = tensors.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise UsageError(f"checkpoint {path}: it lacks tensor {key}")
+        if tuple(md.size) != (numel,) or not md.properties.dtype.is_floating_point:
+            raise UsageError(f"checkpoint {path}: tensor {key} is {md.properties.dtype} of "
+                             f"{list(md.size)} elements; the model needs a floating tensor of "
+                             f"{numel}")
+    extra = sorted(set(tensors) - set(sizes))
+    if extra:
+        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+    from zero1.checkpoint import check_state_dict
+
+    opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
+                            betas=(settings.beta1, settings.beta2), eps=1e-8)
+    groups = {"state": {}, "param_groups": small["optimizer_groups"]}
+    try:
+        check_state_dict(groups, opt.param_groups, opt.defaults, optimizer_name="AdamW",
+                         optimizer_cls=torch.optim.AdamW, who="optimizer state")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path}: {exc}") from None
+    _check_adamw_content(groups, opt.param_groups, settings, path)
+    _check_run_state(small, settings, path, len(list(model.parameters())))
+
+
+def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
+    """The launch order, random state, scaler, data position and step of a checkpoint."""
+    _check_gradient_order(ckpt.get("gradient_order"), n_params, path)
     _check_rng(ckpt["rng"], path)
     _check_scaler(ckpt.get("scaler"), path)
     sampler = ckpt["sampler"]

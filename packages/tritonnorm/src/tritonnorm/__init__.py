@@ -12,12 +12,14 @@ Public API:
         (without Triton, their ``apply`` raises an ImportError saying what to install).
     RMSNormTorchFunction: RMSNorm in plain PyTorch with a hand-derived backward.
     rms_norm_backward_x, rms_norm_backward_weight: closed-form gradients.
-    OPTIONS (in tritonnorm.ops): the launch path's switches.
+    OPTIONS (in tritonnorm.ops, defined in tritonnorm.options): which path a call takes.
 
-Modules: ``kernels`` (the Triton kernels), ``ops`` (their host side: launching, the
-autograd.Functions, the torch.compile operators, the entry points), ``reference`` (plain
-PyTorch and the argument rules), ``nn`` (the modules and ``replace_rms_norms``),
-``limits`` (eps's range without torch).
+Modules: ``ops`` (the operator: entry points, dispatch rule, autograd.Functions, host
+functions), ``kernels`` (the Triton kernels), ``options`` (``OPTIONS``), ``reference``
+(plain PyTorch and the argument rules), ``nn`` (the modules and ``replace_rms_norms``),
+``limits`` (eps's range without torch). Internal: ``_launch`` (the kernels' arguments by
+name, Triton's launch), ``_tuning`` (launch configurations), ``_machinery`` (what cuts an
+eager call's host time), ``_library`` (the ``torch.ops.tritonnorm`` operators).
 """
 
 from __future__ import annotations

@@ -121,6 +121,7 @@ class ShardedBuckets:
         self.buckets: list[_Bucket] = []
         self.layout_version = 0  # changes whenever the pieces do
         self._observed: list[int] | None = []  # first-gradient order, until learned
+        self._order: list[int] | None = None  # the learned order, once learned
         self._hooks: list = []
         self.sync_enabled = True
         self._reset_step()
@@ -224,7 +225,27 @@ class ShardedBuckets:
         self._observed = None
         seen = set(message[0])
         order = message[0] + [i for i in reversed(range(len(self.params))) if i not in seen]
+        self._order = order
         plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, order,
+                              self.bucket_rule)
+        if plan != self._plan:
+            self._relayout(plan)
+
+    @property
+    def learned_order(self) -> list[int] | None:
+        """The order the buckets follow since the first step (a permutation of the
+        parameters' numbers), None before."""
+        return None if self._order is None else list(self._order)
+
+    def follow_order(self, order: list[int]) -> None:
+        """Take ``order`` (a checkpoint's :attr:`learned_order`) as learned: the buckets are
+        rebuilt along it now, and the first step learns nothing. Collective."""
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"the gradient order must be a permutation of "
+                             f"range({len(self.params)}), the parameters' numbers")
+        self._observed = None
+        self._order = list(order)
+        plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, self._order,
                               self.bucket_rule)
         if plan != self._plan:
             self._relayout(plan)

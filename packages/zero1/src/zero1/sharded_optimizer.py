@@ -418,8 +418,30 @@ class ShardedOptimizer(Optimizer):
         buckets = self._buckets
         version = buckets.layout_version  # type: ignore[union-attr]
         buckets.finish()  # type: ignore[union-attr]
-        if buckets.layout_version == version:  # type: ignore[union-attr]
+        if buckets.layout_version != version:  # type: ignore[union-attr]
+            self._adopt_pieces()
+
+    @property
+    def gradient_order(self) -> list[int] | None:
+        """The order the reduce-scatter path's buckets follow, learned in the first step
+        (None before, and on the broadcast path): a checkpoint keeps it, so that a resumed
+        run cuts its buckets, and sums, as the interrupted one did."""
+        return None if self._buckets is None else self._buckets.learned_order
+
+    def set_gradient_order(self, order: list[int] | None) -> None:
+        """Follow a checkpoint's :attr:`gradient_order` from the first step (the buckets
+        are rebuilt now, the local optimizer moved onto the new pieces with its state).
+        Collective; ignored on the broadcast path and for None."""
+        if self._buckets is None or order is None:
             return
+        version = self._buckets.layout_version
+        self._buckets.follow_order(order)
+        if self._buckets.layout_version != version:
+            self._adopt_pieces()
+
+    def _adopt_pieces(self) -> None:
+        """The buckets were rebuilt: move the local optimizer onto the new pieces, with
+        the state it holds (collective)."""
         shards: list[Any] = [None] * self._info.world_size
         dist.all_gather_object(shards, state_of_pieces(self._local.state,
                                                        self._numbered_pieces()),
@@ -628,6 +650,13 @@ class ShardedOptimizer(Optimizer):
             out.extend((start + j, piece) for j, piece in pieces)
             start += len(group["params"])
         return out
+
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: the local
+        optimizer keys its state by ``piece.local``, the range of the flattened
+        ``piece.param`` that starts at ``piece.start`` (what a checkpoint that never
+        gathers writes and reads)."""
+        return self._numbered_pieces()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard state onto rank ``to`` (collective; tensors on CPU).

@@ -1,0 +1,356 @@
+"""Sharded checkpoints on disk: one folder per saved step, a manifest written last, and
+the single-file export.
+
+A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
+(``step-000100/``), each holding:
+
+* what ``torch.distributed.checkpoint`` wrote: one ``__<rank>_<n>.distcp`` file per
+  writing rank and ``.metadata`` (which ranges of which tensors are where);
+* ``trainer.pt``: the run's small state, the fields of a single-file checkpoint
+  (:mod:`lab2_trainer.checkpoint`) but the tensors of the model and of the optimizer
+  (``step``, ``settings``, ``sampler``, ``rng``, ``optimizer_groups``, ...), sealed with
+  its own checksums;
+* ``manifest.json``, written last and atomically by rank 0 once every rank's files are
+  on disk: the size and CRC-32 of every other file. **A folder without a valid manifest
+  is not a checkpoint** (an interrupted write, a ``kill -9``): :func:`newest_step` skips
+  it, and :func:`verify` refuses a folder whose files do not match it (missing,
+  truncated, corrupt).
+
+``lab2-train export`` turns a step folder into one single-file checkpoint
+(:func:`export`): a plain ``torch.load`` holding the model's state dict and AdamW's own
+state dict, which ``--resume`` also takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab2_trainer.config import UsageError
+from lab2_trainer.run_folder import atomic_write, atomic_write_text
+
+CKPT_DIR = "ckpt"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer.pt"
+FORMAT = "lab2-trainer-sharded-checkpoint"
+VERSION = 1
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    """``<root>/step-<step, 6 digits or more>``."""
+    return Path(root) / f"step-{step:06d}"
+
+
+def file_crc(path: str | os.PathLike, block: int = 1 << 24) -> tuple[int, int]:
+    """(bytes, CRC-32) of a file, read in blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def write_manifest(folder: Path, step: int, files: dict[str, tuple[int, int]],
+                   **extra: Any) -> None:
+    """The manifest, atomically: ``files`` maps each file's name to (bytes, CRC-32)."""
+    body = {"format": FORMAT, "version": VERSION, "step": step, **extra,
+            "files": {name: {"bytes": size, "crc32": f"{crc:08x}"}
+                      for name, (size, crc) in sorted(files.items())}}
+    atomic_write_text(folder / MANIFEST, json.dumps(body, indent=1) + "\n")
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a step folder, checked for form (not against the files).
+
+    Raises:
+        UsageError: none, unreadable, or not ours.
+    """
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise UsageError(f"{folder} has no {MANIFEST}: not a complete checkpoint (an "
+                         "interrupted write leaves none)")
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    files = body.get("files") if isinstance(body, dict) else None
+    if (not isinstance(body, dict) or body.get("format") != FORMAT
+            or not isinstance(files, dict)
+            or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
+                       and isinstance(v.get("crc32"), str) for v in files.values())):
+        raise UsageError(f"{path} is not a lab2-trainer checkpoint manifest")
+    if body.get("version") != VERSION:
+        raise UsageError(f"{path} is manifest version {body.get('version')}; this trainer "
+                         f"reads {VERSION}")
+    return body
+
+
+def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
+    path = folder / name
+    if os.sep in name or name in ("", ".", "..") or not path.is_file():
+        return f"file {name} is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return (f"file {name} is {'truncated' if size < entry['bytes'] else 'longer'} "
+                f"({size:,} bytes, the manifest says {entry['bytes']:,})")
+    _, crc = file_crc(path)
+    if f"{crc:08x}" != entry["crc32"]:
+        return f"file {name} does not match its checksum (crc32 {crc:08x}, saved {entry['crc32']})"
+    return None
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """Check every file of a step folder against its manifest (the files in parallel);
+    returns the manifest.
+
+    Raises:
+        UsageError: one line naming the folder and the first file missing, truncated or
+            corrupt.
+    """
+    body = read_manifest(folder)
+    names = sorted(body["files"])
+    for required in (TRAINER_STATE, ".metadata"):
+        if required not in names:
+            raise UsageError(f"checkpoint {folder} is damaged: its manifest lists no {required}")
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        problems = list(pool.map(lambda n: _file_problem(folder, n, body["files"][n]), names))
+    for problem in problems:
+        if problem:
+            raise UsageError(f"checkpoint {folder} is damaged: {problem}")
+    return body
+
+
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step folder under ``root`` with a readable manifest, oldest
+    first (the files are not checked here: :func:`verify` does)."""
+    found = []
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        match = STEP_FOLDER.match(entry.name)
+        if match and entry.is_dir() and (entry / MANIFEST).is_file():
+            try:
+                read_manifest(entry)
+            except UsageError:
+                continue
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def newest_step(root: Path) -> Path | None:
+    """The newest complete step folder under ``root`` (None when there is none)."""
+    steps = complete_steps(root)
+    return steps[-1][1] if steps else None
+
+
+def is_checkpoint_root(path: Path) -> bool:
+    return path.is_dir() and any(STEP_FOLDER.match(p.name) for p in path.iterdir())
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """What ``--resume PATH`` names: a single-file checkpoint, a step folder, a run's
+    ``ckpt/`` folder or a run folder (the newest complete step in either), or a run
+    folder of an earlier version holding ``ckpt.pt``.
+
+    Raises:
+        UsageError: nothing there, or no complete checkpoint.
+    """
+    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise UsageError(f"checkpoint not found: {p}")
+    if STEP_FOLDER.match(p.name) or (p / MANIFEST).exists():
+        return p
+    for root in (p / CKPT_DIR, p):
+        if is_checkpoint_root(root):
+            newest = newest_step(root)
+            if newest is None:
+                raise UsageError(f"{root} holds no complete checkpoint (no step folder with "
+                                 f"a valid {MANIFEST})")
+            return newest
+    if (p / CHECKPOINT_NAME).is_file():
+        return p / CHECKPOINT_NAME
+    raise UsageError(f"checkpoint not found: {p} holds no {CKPT_DIR}/step-N folder")
+
+
+def has_checkpoint(run: str | os.PathLike) -> bool:
+    """Whether a run folder holds a checkpoint (complete or not) of either format."""
+    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+
+    run = Path(run)
+    return (run / CHECKPOINT_NAME).exists() or is_checkpoint_root(run / CKPT_DIR)
+
+
+def prune(root: Path, keep_last: int, newest: int) -> list[str]:
+    """After step ``newest`` was completed: remove the complete step folders beyond the
+    ``keep_last`` newest (0 keeps all), and incomplete ones older than ``newest`` (left
+    by interrupted writes). Returns the names removed."""
+    removed = []
+    complete = complete_steps(root)
+    drop = [folder for _, folder in complete[:-keep_last]] if keep_last > 0 else []
+    kept = {folder for _, folder in complete}
+    for entry in root.iterdir() if root.is_dir() else ():
+        match = STEP_FOLDER.match(entry.name)
+        if match and entry not in kept and int(match.group(1)) < newest:
+            drop.append(entry)
+    for folder in drop:
+        # The manifest first: a folder half removed is never taken for a checkpoint.
+        (folder / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder.name)
+    return removed
+
+
+# --------------------------------------------------------------------- the small state
+def save_trainer_state(folder: Path, state: dict[str, Any]) -> tuple[int, int]:
+    """``trainer.pt``, sealed and written atomically; returns its (bytes, CRC-32)."""
+    from lab2_trainer.checkpoint import save_atomic
+
+    save_atomic(state, folder / TRAINER_STATE)
+    return file_crc(folder / TRAINER_STATE)
+
+
+def load_trainer_state(folder: Path) -> dict[str, Any]:
+    """``trainer.pt`` of a step folder, read and checked as a single-file checkpoint is
+    (format, version, checksums), less the tensors of the model and the optimizer."""
+    from lab2_trainer.checkpoint import read_sealed
+
+    return read_sealed(folder / TRAINER_STATE, shards=True)
+
+
+def saved_tensors(folder: Path) -> dict[str, Any]:
+    """DCP's metadata of a step folder: each tensor's name -> its storage metadata.
+
+    Raises:
+        UsageError: the metadata cannot be read.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None
+
+
+def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
+    """The first floating tensor of a step folder holding NaN or infinity, described
+    (None when all are finite). Read a few at a time (``budget`` bytes), never all."""
+    meta = saved_tensors(folder)
+    batch: list[str] = []
+    size = 0
+    keys = sorted(k for k, md in meta.items() if hasattr(md, "size"))
+    for i, key in enumerate(keys):
+        md = meta[key]
+        batch.append(key)
+        size += int(md.size.numel()) * md.properties.dtype.itemsize
+        if size < budget and i + 1 < len(keys):
+            continue
+        for name, t in full_tensors(folder, batch).items():
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
+        batch, size = [], 0
+    return None
+
+
+# -------------------------------------------------------------------------- export
+def full_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The whole 1-D tensors ``names`` of a step folder (one process, no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lab2_trainer.sharded_checkpoint import Part, read_parts
+
+    meta = saved_tensors(folder)
+    parts = []
+    for name in names:
+        md = meta[name]
+        parts.append(Part(name, int(md.size[0]), 0,
+                          torch.empty(int(md.size[0]), dtype=md.properties.dtype)))
+    read_parts(parts, FileSystemReader(str(folder)))
+    return {p.key: p.data for p in parts}
+
+
+def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write a step folder (or the newest of a run) as one single-file checkpoint: the
+    model's state dict and AdamW's own state dict (parameters numbered in the optimizer's
+    order), with the run's settings, position and random state, which ``--resume`` takes.
+
+    Returns:
+        The step folder exported.
+
+    Raises:
+        UsageError: the source is not a complete, intact checkpoint.
+    """
+    from lab2_trainer.checkpoint import FORMAT as FILE_FORMAT
+    from lab2_trainer.checkpoint import VERSION as FILE_VERSION
+    from lab2_trainer.checkpoint import save_atomic
+    from lab2_trainer.config import ModelConfig
+    from lab2_trainer.sharded_checkpoint import MOMENTS, model_key, parameter_names, state_key
+    from lab2_trainer.validate_inputs import shape_model
+
+    folder = resolve(source)
+    if folder.is_file():
+        raise UsageError(f"{folder} is a single-file checkpoint already")
+    verify(folder)
+    small = load_trainer_state(folder)
+    model = shape_model(ModelConfig.from_dict(small["model_config"]))
+    names = parameter_names(model)
+    meta = saved_tensors(folder)
+    keys = [model_key(n) for n in names.values()]
+    keys += [k for n in names.values() for k in
+             [state_key(n, m) for m in (*MOMENTS, "step")] if k in meta]
+    flat = full_tensors(folder, keys)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    model_state = {name: flat[model_key(names[id(p)])].view(p.shape)
+                   for name, p in params.items()}
+    state = {}
+    order = [p for g in small["optimizer_groups"] for p in g["params"]]
+    by_number = dict(zip(order, _optimizer_order(model, small)))
+    for number, p in by_number.items():
+        name = names[id(p)]
+        if state_key(name, "exp_avg") in flat:
+            state[number] = {**{m: flat[state_key(name, m)].view(p.shape) for m in MOMENTS},
+                             "step": flat[state_key(name, "step")].reshape(())}
+    body = {k: v for k, v in small.items() if k not in ("format", "version", "checksums",
+                                                       "optimizer_groups", "sharded")}
+    save_atomic({"format": FILE_FORMAT, "version": FILE_VERSION, **body,
+                 "model": model_state,
+                 "optimizer": {"state": state, "param_groups": small["optimizer_groups"]}},
+                out)
+    return folder
+
+
+def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torch.Tensor]:
+    """The parameters in the trainer's AdamW order (``parallel.param_groups``)."""
+    from lab2_trainer.parallel import param_groups
+
+    decay = small["settings"].get("weight_decay", 0.0)
+    return [p for g in param_groups(model, decay) for p in g["params"]]
+
+
+def write_export(source: str, out: str) -> int:
+    """``lab2-train export CKPT OUT``'s work; returns the exit code."""
+    if Path(out).is_dir():
+        raise UsageError(f"{out} is a folder; export writes one file")
+    folder = export(source, out)
+    print(f"lab2-train: exported {folder} to {out}")
+    return 0
+
+
+def copy_bytes_atomic(data: bytes, path: Path) -> None:
+    atomic_write(path, lambda f: f.write(data))

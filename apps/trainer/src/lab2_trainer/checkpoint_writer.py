@@ -1,0 +1,180 @@
+"""Saving sharded checkpoints while training goes on.
+
+:meth:`Checkpointer.save` runs on every rank at a checkpoint step. Training stalls only
+for the copy of this rank's parts (:mod:`lab2_trainer.sharded_checkpoint`) into CPU
+memory (pinned on CUDA, allocated at the first save and reused); the write then runs on
+a background thread, while the next steps train:
+
+1. ``torch.distributed.checkpoint.save`` of the copies into ``<out>/ckpt/step-N/``, its
+   collectives on a Gloo process group of its own (never the training group, whose
+   collectives the main thread issues meanwhile);
+2. each rank checksums its share of the files written; rank 0 writes ``trainer.pt``;
+3. rank 0 gathers the checksums and writes the manifest, last and atomically, then
+   removes the step folders beyond ``--keep-last``.
+
+At most one save is in flight: the next one (and the end of the run) waits for it first.
+A failed write is reported in one line (:attr:`Checkpointer.error`); the previous
+checkpoint stays as it was. With ``--no-ckpt-async`` the same work runs in the
+foreground.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lab2_trainer.checkpoint_folders import (
+    CKPT_DIR,
+    MANIFEST,
+    TRAINER_STATE,
+    file_crc,
+    prune,
+    save_trainer_state,
+    step_folder,
+    write_manifest,
+)
+from lab2_trainer.sharded_checkpoint import (
+    Part,
+    model_parts,
+    state_holders,
+    state_parts,
+    write_parts,
+)
+
+
+class Checkpointer:
+    """Writes this rank's part of the run's checkpoints (create it on every rank, at the
+    same point: it makes a process group).
+
+    Args:
+        out: the run folder (checkpoints go to ``<out>/ckpt/``).
+        model, optimizer, sharding: what to save, as ``parallelize`` set it up.
+        device: the rank's device (CUDA: the copies go to pinned memory).
+        asynchronous: write in the background.
+        keep_last: complete checkpoints kept (0: all).
+    """
+
+    def __init__(self, out: str | os.PathLike, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, sharding: str, device: torch.device, *,
+                 asynchronous: bool = True, keep_last: int = 1) -> None:
+        self.root = Path(out) / CKPT_DIR
+        self.model, self.optimizer, self.sharding = model, optimizer, sharding
+        self.device = device
+        self.asynchronous = asynchronous
+        self.keep_last = keep_last
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # DCP's collectives run here, on the writer thread, apart from training's.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.stalls: list[float] = []  # seconds training waited, per save
+        self.saved: list[Path] = []  # folders completed by this process
+
+    # ------------------------------------------------------------------------ saving
+    def save(self, step: int, trainer_state: dict[str, Any] | None) -> float:
+        """Save the model, AdamW's state and (on rank 0) ``trainer_state`` as step
+        ``step``; every rank. Returns the seconds training stalled for it (waiting for
+        the previous save, and the copy)."""
+        start = time.perf_counter()
+        self.wait()
+        parts = []
+        # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
+        holders = state_holders(self.model, self.optimizer, self.sharding)
+        for part in model_parts(self.model, self.sharding) + state_parts(holders):
+            mine = part.to_write(self.rank, self.world_size)
+            if mine is not None:
+                parts.append(mine)
+        staged = self._stage(parts)
+        folder = step_folder(self.root, step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # Rewriting a step (a resume from an earlier one): not a checkpoint meanwhile.
+            (folder / MANIFEST).unlink(missing_ok=True)
+        stall = time.perf_counter() - start
+        self.stalls.append(stall)
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write_reporting,
+                                            args=(folder, staged, trainer_state, step),
+                                            name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write_reporting(folder, staged, trainer_state, step)
+        return stall
+
+    def _stage(self, parts: list[Part]) -> list[Part]:
+        """Copies of ``parts`` in CPU memory (pinned on CUDA; buffers reused across saves),
+        complete when this returns."""
+        staged = []
+        pin = self.device.type == "cuda"
+        for p in parts:
+            buf = self._buffers.get(p.key)
+            if buf is None or buf.shape != p.data.shape or buf.dtype != p.data.dtype:
+                buf = torch.empty(p.data.shape, dtype=p.data.dtype, pin_memory=pin)
+                self._buffers[p.key] = buf
+            buf.copy_(p.data.detach(), non_blocking=pin)
+            staged.append(Part(p.key, p.numel, p.start, buf))
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        return staged
+
+    def _write_reporting(self, folder: Path, staged: list[Part],
+                         trainer_state: dict[str, Any] | None, step: int) -> None:
+        try:
+            self._write(folder, staged, trainer_state, step)
+        except BaseException as exc:  # noqa: BLE001 (reported by wait(), in one line)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.error = (f"checkpoint of step {step} was not written ({type(exc).__name__}"
+                          f"{': ' + reason if reason else ''}); the previous one is intact")
+            if not self.asynchronous:
+                raise
+
+    def _write(self, folder: Path, staged: list[Part], trainer_state: dict[str, Any] | None,
+               step: int) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        folder.mkdir(parents=True, exist_ok=True)
+        metadata = write_parts(staged, FileSystemWriter(str(folder), thread_count=1,
+                                                        sync_files=True), self.group)
+        names = sorted({info.relative_path for info in metadata.storage_data.values()})
+        if self.rank == 0:
+            names.append(".metadata")
+        files = {name: file_crc(folder / name) for name in names[self.rank::self.world_size]}
+        if self.rank == 0:
+            files[TRAINER_STATE] = save_trainer_state(folder, trainer_state)
+            if ".metadata" not in files:
+                files[".metadata"] = file_crc(folder / ".metadata")
+        if self.distributed:
+            everyone: list[Any] = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(files, everyone, dst=dist.get_global_rank(self.group, 0),
+                               group=self.group)
+            if self.rank == 0:
+                for theirs in everyone:
+                    files.update(theirs)
+        if self.rank == 0:
+            write_manifest(folder, step, files, world_size=self.world_size,
+                           sharding=self.sharding)
+            prune(self.root, self.keep_last, step)
+        self.saved.append(folder)
+
+    # ------------------------------------------------------------------------ waiting
+    def wait(self) -> str | None:
+        """Wait for the save in flight, if any; returns its error line (None: written),
+        which is then cleared."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self.error = self.error, None
+        return error
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,114 @@
+"""Sharded checkpoints across kinds and world sizes, on Gloo ranks.
+
+In the cell of world size W, every ``--sharding`` kind trains 4 steps at W, saving at
+steps 2 and 4 (each rank its own part, nothing gathered). Then:
+
+* the same kind at W resumes from step 2: steps 3 and 4 have bit for bit the losses of the
+  uninterrupted run, and its step-4 checkpoint is bit for bit the same;
+* every kind at M = W % 4 + 1 ranks loads another kind's step-2 checkpoint and saves it
+  again at once: its export (the whole state, one file) is bit for bit the source's.
+  Over the four cells every world size 1-4 saves, and loads at its own size and at
+  another (other kinds at the same size: ``test_train_sharding_gloo``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lab2_testing.dist import run_ranks
+from lab2_trainer.checkpoint_folders import export
+from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.launch import DistContext
+from lab2_trainer.train import Trainer
+
+torch.set_num_threads(1)
+
+KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
+
+
+def settings(data, out, sharding: str, **overrides) -> TrainSettings:
+    model = ModelConfig(context_length=16, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                        norm="torch")
+    self_reducing = sharding in ("zero1", "zero2", "fsdp")
+    fields = dict(model=model, data=str(data), steps=4, batch_size=24, lr=1e-2, min_lr=1e-3,
+                  warmup=2, eval_every=0, eval_batches=1, out=str(out), sample_tokens=0,
+                  quiet=True, plot=False, sharding=sharding,
+                  ddp="none" if self_reducing else "flat", seed=0, bucket_mb=0.002,
+                  ckpt_every=2, keep_last=0)
+    fields.update(overrides)
+    return TrainSettings(**fields)
+
+
+def step_folder(out, step: int) -> str:
+    return f"{out}/ckpt/step-{step:06d}"
+
+
+def _save_rank(rank, world_size, data, out):
+    ctx = DistContext.from_process_group()
+    for kind in KINDS:
+        Trainer(settings(data, f"{out}/{kind}", kind), ctx).run()
+        resumed = Trainer(settings(data, f"{out}/{kind}-again", kind,
+                                   resume=step_folder(f"{out}/{kind}", 2)), ctx)
+        assert resumed.step == 2
+        resumed.run()
+
+
+def _reload_rank(rank, world_size, data, source, out):
+    """Every kind loads the step-2 checkpoint of the kind before it in KINDS (saved at
+    another size) and saves it again, without training."""
+    ctx = DistContext.from_process_group()
+    for i, kind in enumerate(KINDS):
+        other = KINDS[i - 1]
+        t = Trainer(settings(data, f"{out}/{kind}-from-{other}", kind,
+                             resume=step_folder(f"{source}/{other}", 2)), ctx)
+        t.save_checkpoint()
+        t.finish_checkpoints()
+
+
+def losses(out) -> dict[int, float]:
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def whole(folder, tmp_path: Path) -> dict:
+    """A step folder's export, loaded."""
+    target = tmp_path / "exports" / f"{abs(hash(str(folder)))}.pt"
+    target.parent.mkdir(exist_ok=True)
+    export(folder, target)
+    return torch.load(target, weights_only=True)
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Model, AdamW state, step and data position equal bit for bit."""
+    if a["step"] != b["step"] or a["sampler"] != b["sampler"]:
+        return False
+    if a["model"].keys() != b["model"].keys() or any(
+            not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
+        return False
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_every_kind_saves_and_loads_at_every_world_size(world_size, corpus_dir, tmp_path):
+    here = tmp_path / f"ws{world_size}"
+    run_ranks(_save_rank, world_size, str(corpus_dir), str(here), timeout=300)
+    for kind in KINDS:
+        straight, again = losses(here / kind), losses(here / f"{kind}-again")
+        assert sorted(again) == [3, 4]
+        assert all(again[s] == straight[s] for s in again), (kind, straight, again)
+        assert same_state(whole(step_folder(here / kind, 4), tmp_path),
+                          whole(step_folder(here / f"{kind}-again", 4), tmp_path)), kind
+        manifest = json.loads((Path(step_folder(here / kind, 2)) / "manifest.json").read_text())
+        # Every rank wrote a file of its own (no rank wrote everything).
+        assert sum(n.endswith(".distcp") for n in manifest["files"]) == world_size, kind
+    # Another world size, every kind loading another kind's checkpoint.
+    other_size, out = world_size % 4 + 1, tmp_path / "other"
+    run_ranks(_reload_rank, other_size, str(corpus_dir), str(here), str(out), timeout=300)
+    for i, kind in enumerate(KINDS):
+        source = step_folder(here / KINDS[i - 1], 2)
+        copy = step_folder(out / f"{kind}-from-{KINDS[i - 1]}", 2)
+        assert same_state(whole(source, tmp_path), whole(copy, tmp_path)), (other_size, kind)
