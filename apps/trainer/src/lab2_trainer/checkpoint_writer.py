@@ -39,6 +39,7 @@ from lab2_trainer.checkpoint_folders import (
     step_folder,
     write_manifest,
 )
+from lab2_trainer.run_folder import refused_write
 from lab2_trainer.sharded_checkpoint import (
     Part,
     model_parts,
@@ -131,7 +132,9 @@ class Checkpointer:
         try:
             self._write(folder, staged, trainer_state, step)
         except BaseException as exc:  # noqa: BLE001 (reported by wait(), in one line)
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            refused = refused_write(exc)  # a full disk: say so, not "CheckpointException"
+            reason = (refused.strerror or str(refused)) if refused is not None else (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             self.error = (f"checkpoint of step {step} was not written ({type(exc).__name__}"
                           f"{': ' + reason if reason else ''}); the previous one is intact")
             if not self.asynchronous:

@@ -548,12 +548,13 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
         train(launch.DistContext(device=device), settings)
     except UsageError as exc:
         return _error(str(exc))
-    except Exception as exc:
-        from lab2_trainer.run_folder import write_failure
+    except Exception as exc:  # a refused write (a full disk) is one line, not a traceback
+        from lab2_trainer.run_folder import WriteFailed, write_failure
 
-        if write_failure(exc) is None:
+        line = str(exc) if isinstance(exc, WriteFailed) else write_failure(exc)
+        if line is None:
             raise
-        print(f"lab2-train: error: {write_failure(exc)}", file=sys.stderr, flush=True)
+        print(f"lab2-train: error: {line}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         if need_group and launch.dist.is_initialized():

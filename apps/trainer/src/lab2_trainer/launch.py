@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
-from lab2_trainer.run_folder import write_failure
+from lab2_trainer.run_folder import WriteFailed, write_failure
 from lab2_trainer.supervise import (
     FAILED,
     PEER_LOST,
@@ -188,6 +188,10 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
             if folder is None:
                 _say(f"rank {rank} stopped: another rank closed its connection "
                      "mid-collective")
+        elif isinstance(exc, WriteFailed):  # a save of every rank failed: rank 0 says it
+            guard.mark(FAILED)
+            if rank == 0:
+                _say(f"rank {rank} failed: {exc}")
         elif write_failure(exc) is not None:  # a full disk: one line, not a traceback
             guard.mark(FAILED)
             _say(f"rank {rank} failed: {write_failure(exc)}")

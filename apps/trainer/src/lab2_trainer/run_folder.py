@@ -333,16 +333,46 @@ def in_use_message(folder: str | os.PathLike, info: dict[str, Any] | None) -> st
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
-def write_failure(exc: BaseException) -> str | None:
-    """The one line that says ``exc`` is a write the machine refused (found anywhere in its
-    chain: torch.save wraps the OSError in a RuntimeError), or None when it is not."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
-            where = f" ({exc.filename})" if exc.filename else ""
-            return (f"a write failed: {exc.strerror or os.strerror(exc.errno)}{where}; files "
-                    "are written atomically, so what was there before is intact")
-        exc = exc.__cause__ or exc.__context__
+#: What torch's zip writer (``torch.save``) says when the file under it refused a write.
+SHORT_WRITE = "unexpected pos"
+
+
+class WriteFailed(RuntimeError):
+    """A write the run needed failed on every rank at once (a sharded checkpoint's save,
+    a collective): its message is the one line to print, by rank 0."""
+
+
+def refused_write(exc: BaseException) -> OSError | None:
+    """The write the machine refused behind ``exc`` (:data:`WRITE_ERRNOS`), found anywhere
+    in its chain (torch.save wraps the OSError in a RuntimeError) or among the per-rank
+    failures of a ``torch.distributed.checkpoint`` exception; None when there is none."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            return e
+        if isinstance(e, RuntimeError) and SHORT_WRITE in str(e):
+            # torch's zip writer after a refused write, its OSError lost (a checkpoint's
+            # per-rank failures reach every rank pickled, without their chains)
+            return OSError(errno.EIO, "the file system refused a write (a full disk, a quota "
+                           "or a file-size limit)")
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # rank: (exception, traceback)
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return None
 
+
+def write_failure(exc: BaseException) -> str | None:
+    """The one line that says ``exc`` is a write the machine refused, or None when it is
+    not (see :func:`refused_write`)."""
+    refused = refused_write(exc)
+    if refused is None:
+        return None
+    where = f" ({refused.filename})" if refused.filename else ""
+    return (f"a write failed: {refused.strerror or os.strerror(refused.errno)}{where}; files "
+            "are written atomically, so what was there before is intact")

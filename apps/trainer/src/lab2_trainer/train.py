@@ -82,7 +82,7 @@ from lab2_trainer.report import (
     provenance,
     recompute_flops_per_token,
 )
-from lab2_trainer.run_folder import atomic_write_text
+from lab2_trainer.run_folder import WriteFailed, atomic_write_text
 from lab2_trainer.shapes import training_flops_per_token
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
@@ -350,7 +350,7 @@ class Trainer:
         run."""
         error = self.checkpointer.wait()
         if error is not None:
-            raise RuntimeError(error)
+            raise WriteFailed(error)  # every rank's: one line, rank 0's
 
     def report_checkpoint_error(self, error: str | None) -> None:
         """One line on stderr for a background save that failed; training goes on."""
