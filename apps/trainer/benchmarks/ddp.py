@@ -4,8 +4,8 @@
     python apps/trainer/benchmarks/ddp.py --device cuda --world-size 2 --precision bf16 \\
         --preset medium --variants local,bucketed,torch --bucket-mb 25
 
-Every variant is the trainer's ``GradSync`` of that kind with the trainer's AdamW, timed
-over a full step (forward, backward, gradient synchronisation, AdamW), all in one launch:
+Every variant is the trainer's ``--ddp`` wrapper of that kind with the trainer's AdamW, timed
+over a full step (forward, backward, gradient synchronisation, clipping, AdamW), all in one launch:
 ``local`` (no communication: the baseline), ``naive`` (an all-reduce per parameter after
 backward), ``flat`` (one of everything), ``individual`` (``DDPIndividualParameters``),
 ``bucketed:MB`` (``DDPBucketed``, once per ``--bucket-mb``), ``torch`` (PyTorch DDP,
@@ -30,7 +30,7 @@ from typing import Any
 import harness
 import torch
 
-#: The ``GradSync`` kind of each variant; the bucketed ones run once per bucket size.
+#: The ``--ddp`` kind of each variant; the bucketed ones run once per bucket size.
 DDP_KIND = {"local": "none", "naive": "naive", "flat": "flat", "individual": "individual",
             "bucketed": "bucketed", "torch": "torch", "bucketed_bf16": "bucketed",
             "torch_bf16": "torch"}

@@ -1,6 +1,6 @@
 """What the trainer's benchmark scripts share: their common options, the model and batches
-they measure on, the trainer's own set-up and step (timed at named points), N local ranks
-measuring variants in interleaved rounds, and where the rows go.
+they measure on, the trainer's own set-up and step (``train.train_step``, timed at named
+points), N local ranks measuring variants in interleaved rounds, and where the rows go.
 
 Every script steps the trainer's AdamW (decay and no-decay groups, the default betas and
 weight decay, fused kernels on CUDA), and those that wrap or shard the model set it up with
@@ -46,6 +46,7 @@ from lab2_trainer.config import (
 from lab2_trainer.parallel import Parallel, build_optimizer, fused_adamw_available, parallelize
 from lab2_trainer.report import device_label, device_peak
 from lab2_trainer.train import backward_thread as backward_on
+from lab2_trainer.train import train_step
 
 #: The micro model of ``--quick`` runs.
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)
@@ -58,6 +59,8 @@ FULL = dict(device="auto", presets=["small"], batch_size=4, context_length=256, 
 MODES = ("forward", "forward_backward", "train_step")
 #: The learning rate every variant steps AdamW with.
 LR = 1e-4
+#: The gradient-norm clip every step applies: the trainer's default.
+CLIP = TrainSettings().clip
 #: Every way of sharding ``zero.py`` and ``stack.py`` compare, by name: (the trainer's
 #: ``--sharding``, its ``--ddp``, FSDP2's ``reshard_after_forward``).
 SHARDINGS: dict[str, tuple[str, str, bool]] = {
@@ -236,7 +239,7 @@ def adamw(device: torch.device) -> dict[str, Any]:
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """The trainer's unsharded AdamW (``parallel.build_optimizer``) over ``model``."""
-    return build_optimizer(model, "none", **adamw(next(model.parameters()).device))
+    return build_optimizer(model, **adamw(next(model.parameters()).device))
 
 
 def setup(model: nn.Module, sharding: str, device: torch.device, *, ddp: str = "none",
@@ -252,8 +255,9 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
               optimizer: torch.optim.Optimizer | None = None,
               backward_thread: str = "caller") -> Callable[[], Any]:
     """One unit of work on ``batch``: "forward" (loss included, autograd recording),
-    "forward_backward" (gradients set to None first) or "train_step" (and
-    ``optimizer.step()``; fp16 with a gradient scaler on CUDA)."""
+    "forward_backward" (gradients set to None first) or "train_step": the trainer's step
+    (:func:`lab2_trainer.train.train_step`, clipping at the trainer's default included;
+    fp16 with a gradient scaler on CUDA) of ``model`` and ``optimizer`` on one process."""
     idx, tgt = batch
 
     def loss_of() -> torch.Tensor:
@@ -262,21 +266,18 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
 
     if mode == "forward":
         return loss_of
-    scaler = (torch.amp.GradScaler("cuda") if mode == "train_step" and precision == "fp16"
-              and device.type == "cuda" else None)
+    if mode == "train_step":
+        scaler = (torch.amp.GradScaler("cuda") if precision == "fp16" and device.type == "cuda"
+                  else None)
+        alone = Parallel(model, optimizer)
+        return lambda: train_step(alone, [batch], precision=precision, device=device, clip=CLIP,
+                                  scaler=scaler, backward_thread=backward_thread)
 
-    def step() -> None:
+    def forward_backward() -> None:
         model.zero_grad(set_to_none=True)
-        loss = loss_of()
         with backward_on(backward_thread):
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if mode == "train_step":
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-    return step
+            loss_of().backward()
+    return forward_backward
 
 
 def stats_metrics(stats: Any, tokens: int) -> dict[str, Any]:
@@ -298,32 +299,23 @@ def mfu_note(device: str) -> str:
 
 def step_marks(p: Parallel, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
                device: torch.device, backward_thread: str = "caller") -> Callable[[], dict]:
-    """One training step of ``p`` marked at every point of :data:`POINTS`: CUDA events on
-    the compute stream on GPU (nothing inside the step synchronises), wall time on the CPU.
-    Returns a function that reads the marks later: seconds from the start to each point."""
+    """One training step of ``p`` (the trainer's :func:`lab2_trainer.train.train_step`,
+    clipping included) marked at every point of :data:`POINTS`: CUDA events on the compute
+    stream on GPU (nothing inside the step synchronises), wall time on the CPU. Returns a
+    function that reads the marks later: seconds from the start to each point."""
     cuda = device.type == "cuda"
     marks: list[Any] = []
 
-    def mark() -> None:
+    def mark(point: str | None = None) -> None:
         if cuda:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
         else:
             marks.append(time.perf_counter())
 
-    idx, tgt = batch
     mark()
-    p.optimizer.zero_grad(set_to_none=True)
-    with autocast(precision, device):
-        _, loss = p(idx, tgt)
-    mark()
-    with backward_on(backward_thread):
-        loss.backward()
-    mark()
-    p.finish()
-    mark()
-    p.optimizer.step()
-    mark()
+    train_step(p, [batch], precision=precision, device=device, clip=CLIP,
+               backward_thread=backward_thread, mark=mark)
 
     def durations() -> dict[str, float]:
         if cuda:

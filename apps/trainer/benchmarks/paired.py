@@ -6,7 +6,7 @@ compares each with the first one within the round, which cancels the drift of a 
 that the multi-rank scripts' 20-step windows cannot resolve.
 
 A variant is ``NORM:DDP[:RULE][+SHARDING][@THREAD]``: NORM tritonnorm or torch
-(``nn.RMSNorm``); DDP the trainer's GradSync kind none, bucketed or torch (one rank: no
+(``nn.RMSNorm``); DDP the trainer's ``--ddp`` kind none, bucketed or torch (one rank: no
 collective, all the bookkeeping); RULE bucketed's bucket rule, reach (default) or at_most;
 SHARDING the trainer's --sharding (default none; zero1, zero2 and fsdp need DDP none);
 THREAD the thread that runs backward, caller (default) or autograd. A step is the trainer's:

@@ -155,7 +155,7 @@ def test_non_finite_shards_with_good_checksums_are_refused(capsys, run_dir, tmp_
         trainer.optimizer.state[trainer.model.pos_emb.weight]["exp_avg_sq"].view(-1)[5] = \
             float("inf")
     trainer.save_checkpoint()
-    trainer.finish_checkpoints()
+    trainer.checkpointer.finish()
     folder = tmp_path / "poisoned" / "ckpt" / "step-000002"
     line = run_bad(capsys, ["--resume", str(folder), "--nproc", "1", "--out",
                             str(tmp_path / "again")], tmp_path)

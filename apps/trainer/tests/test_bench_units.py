@@ -91,7 +91,7 @@ def test_ddp_rows_exposed_shares(scripts):
 
 def test_variant_tables_cover_every_option(scripts):
     """The sharding kinds the scripts compare are the trainer's, and every ddp variant is a
-    ``GradSync`` kind."""
+    ``--ddp`` kind."""
     from lab2_trainer.config import SHARDING_KINDS
 
     harness, ddp, stack = scripts("harness"), scripts("ddp"), scripts("stack")
@@ -125,8 +125,10 @@ def test_variants_step_the_trainers_adamw(scripts):
                           ("torch", torch.float32, "bfloat16 or float16")])
 def test_grad_sync_reduce_dtype_only_where_it_exists(kind, dtype, message):
     """Refused before any wrapper is built (no process group needed)."""
-    from lab2_trainer.parallel import GradSync
+    from lab2_trainer.parallel import Options, ddp_wrapper
 
     model = torch.nn.Linear(2, 2)
+    options = Options(ddp=kind, device=torch.device("cpu"), lr=1e-3, betas=(0.9, 0.95),
+                      weight_decay=0.0, bucket_mb=25.0, reduce_dtype=dtype)
     with pytest.raises(ValueError, match=message):
-        GradSync(model, model, kind, 25.0, torch.device("cpu"), reduce_dtype=dtype)
+        ddp_wrapper(model, kind, options)

@@ -69,3 +69,13 @@ def test_compile_time_refuses_a_bad_scope():
     done = subprocess.run([sys.executable, str(SCRIPTS / "compile_time.py"), "--device", "cpu",
                            "--scopes", "layers"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown scope(s) layers" in done.stderr
+
+
+def test_goodput_runs_the_command_and_reads_its_stalls(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "goodput.py"), "--device", "cpu", "--steps", "4",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (record,) = read_records(tmp_path / "goodput.jsonl")
+    assert record["variant"] == "async" and record["saves"] == 2
+    assert 0 < record["goodput"] < 1 and len(record["stalls_s"]) == 2

@@ -195,3 +195,23 @@ def test_export_loads_into_a_plain_model_and_adamw_and_resumes(corpus_dir, tmp_p
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     assert bitwise_equal(from_folder.model.state_dict(), from_file.model.state_dict())
     assert export(tmp_path / "a", tmp_path / "a.pt") == tmp_path / "a" / "ckpt" / "step-000006"
+
+
+def test_a_failed_background_write_is_one_line_and_training_goes_on(corpus_dir, tmp_path,
+                                                                    monkeypatch, capsys):
+    real_write = checkpoint_writer.write_parts
+
+    def disk_full_once(parts, writer, group):
+        if "step-000002" in str(writer.path):
+            raise OSError(28, "No space left on device")
+        return real_write(parts, writer, group)
+
+    monkeypatch.setattr(checkpoint_writer, "write_parts", disk_full_once)
+    trainer = Trainer(settings(corpus_dir, tmp_path / "run"), DistContext())
+    trainer.run()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lab2-train: warning: rank 0: checkpoint of step 2 was not written "
+                   "(OSError: [Errno 28] No space left on device); the previous one is "
+                   "intact"], err
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert resolve(tmp_path / "run") == tmp_path / "run" / "ckpt" / "step-000004"

@@ -9,6 +9,10 @@ steps 2 and 4 (each rank its own part, nothing gathered). Then:
   again at once: its export (the whole state, one file) is bit for bit the source's.
   Over the four cells every world size 1-4 saves, and loads at its own size and at
   another (other kinds at the same size: ``test_train_sharding_gloo``).
+
+zero1's stage 3 (``shard_model``, ``Stage3Optimizer``; not a trainer kind yet) saves its
+shards the same way: the export, and a fresh stage-3 model loading them, hold bit for bit
+the state the ranks had.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def _reload_rank(rank, world_size, data, source, out):
         t = Trainer(settings(data, f"{out}/{kind}-from-{other}", kind,
                              resume=step_folder(f"{source}/{other}", 2)), ctx)
         t.save_checkpoint()
-        t.finish_checkpoints()
+        t.checkpointer.finish()
 
 
 def losses(out) -> dict[int, float]:
@@ -112,3 +116,66 @@ def test_every_kind_saves_and_loads_at_every_world_size(world_size, corpus_dir, 
         source = step_folder(here / KINDS[i - 1], 2)
         copy = step_folder(out / f"{kind}-from-{KINDS[i - 1]}", 2)
         assert same_state(whole(source, tmp_path), whole(copy, tmp_path)), (other_size, kind)
+
+
+def _zero3_rank(rank, world_size, out):
+    """zero1's stage 3: train 2 steps, save (each rank its shards), then load into a fresh
+    stage-3 model; returns the whole state before and after (gathered only to compare)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import zero1
+    from lab2_trainer.checkpoint import FORMAT, VERSION, rng_state
+    from lab2_trainer.checkpoint_folders import saved_tensors
+    from lab2_trainer.checkpoint_writer import Checkpointer
+    from lab2_trainer.model import TransformerLM
+    from lab2_trainer.parallel import param_groups
+    from lab2_trainer.sharded_checkpoint import load_into
+    from zero1.checkpoint import pack_param_groups
+
+    s = settings("unused", out, "none")
+
+    def build(seed):
+        model = TransformerLM(s.model, seed=seed)
+        zero1.shard_model(model, units=list(model.blocks))
+        return model, zero1.Stage3Optimizer(param_groups(model, s.weight_decay),
+                                            torch.optim.AdamW, lr=1e-2)
+
+    def whole_state(model, opt):
+        opt.consolidate_state_dict(to=0)
+        full = zero1.sharding_of(model).full_state_dict(to=0)
+        return (full, opt.state_dict()) if rank == 0 else None
+
+    model, opt = build(0)
+    for step in range(2):
+        x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step))
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    small = {"format": FORMAT, "version": VERSION, "sharded": True,
+             "model_config": s.model.to_dict(), "settings": s.to_dict(),
+             "optimizer_groups": pack_param_groups(opt.param_groups), "schedule": {},
+             "step": 2, "sampler": {"seed": 0, "draws": 2}, "data": {}, "rng": rng_state(
+                 torch.device("cpu")), "scaler": None, "world_size": world_size,
+             "gradient_order": None}
+    writer = Checkpointer(out, model, opt, "zero3", torch.device("cpu"), keep_last=0)
+    writer.save(2, small if rank == 0 else None)
+    writer.finish()
+    before = whole_state(model, opt)
+    folder = f"{out}/ckpt/step-000002"
+    again, again_opt = build(1)
+    load_into(again, again_opt, "zero3", FileSystemReader(folder), set(saved_tensors(folder)))
+    return before, whole_state(again, again_opt)
+
+
+def test_zero3_shards_save_export_and_load_without_a_gather(world_size, tmp_path):
+    before, after = run_ranks(_zero3_rank, world_size, str(tmp_path / "z3"), timeout=240)[0]
+    manifest = json.loads((tmp_path / "z3/ckpt/step-000002/manifest.json").read_text())
+    assert sum(n.endswith(".distcp") for n in manifest["files"]) == world_size
+    exported = whole(tmp_path / "z3/ckpt/step-000002", tmp_path)
+    for state in (after, (exported["model"], exported["optimizer"])):
+        model, opt = state
+        assert model.keys() == before[0].keys()
+        assert all(torch.equal(model[k], before[0][k]) for k in model)
+        assert opt["state"].keys() == before[1]["state"].keys()
+        assert all(torch.equal(opt["state"][i][k], before[1]["state"][i][k])
+                   for i in opt["state"] for k in opt["state"][i])

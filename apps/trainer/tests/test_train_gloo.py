@@ -128,7 +128,7 @@ def _compiled_rank(rank, world_size, data, out):
                           compile_backend="aot_eager", **COMPILE_STACK).validate(world_size)
         trainer = Trainer(s, ctx)
         trainer.run()
-        stats = trainer.sync.wrapper.last_sync_stats
+        stats = trainer.parallel.wrapper.last_sync_stats
         results[compiled] = {
             "params": params_of(trainer),
             "launched_in_backward": stats.launched_in_backward,

@@ -94,9 +94,9 @@ def test_a_run_reports_where_its_wall_clock_went(corpus_dir, tmp_path, monkeypat
     # A slow checkpoint write: the stall must show as checkpoint time, not training.
     save = Trainer.save_checkpoint
 
-    def slow_save(self, path):
+    def slow_save(self, *args, **kwargs):
         time.sleep(0.2)
-        save(self, path)
+        save(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "save_checkpoint", slow_save)
     wall_clock.mark_launch()

@@ -44,3 +44,26 @@ def test_infeasible_cells_are_skipped_with_a_note():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         allreduce_sweep(**kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_count_collectives_leaves_process_group_methods_working(tmp_path):
+    """After ``count_collectives`` a collective that calls ``ProcessGroup.allreduce`` on the
+    group (as ``dist.all_reduce`` does) still works, and is no longer counted."""
+    import torch
+    import torch.distributed as dist
+
+    from lab2bench.comm import count_collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        t = torch.ones(3)
+        with count_collectives() as counter:
+            dist.all_reduce(t)
+        assert len(counter.calls) == 1
+        dist.all_reduce(t, async_op=True).wait()
+        dist.group.WORLD.allreduce([t]).wait()
+        assert len(counter.calls) == 1 and t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

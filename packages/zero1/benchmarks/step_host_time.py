@@ -8,9 +8,9 @@ Variants, measured one after the other in the same ranks, rounds rotated:
 
 * ``plain``: ``torch.optim.AdamW`` over every parameter (its defaults: on the CPU, a
   Python loop over parameters).
-* ``sharded``: ``ShardedOptimizer(AdamW)`` with its defaults.
-* ``sharded-loop``: ``ShardedOptimizer(AdamW, foreach=False)``: the local AdamW forced
-  to its per-parameter loop (what the default was on the CPU before foreach became it).
+* ``sharded``: ``ShardedOptimizer(AdamW, foreach=True)``: the local AdamW's foreach
+  kernels (PyTorch's default picks them on CUDA only).
+* ``sharded-loop``: ``ShardedOptimizer(AdamW, foreach=False)``: its per-parameter loop.
 * ``zero``: ``ZeroRedundancyOptimizer(AdamW)``, for reference (world size > 1 only:
   it needs a process group, and at 1 rank it is plain AdamW).
 
@@ -59,8 +59,7 @@ def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kwargs)
     from zero1 import ShardedOptimizer
 
-    if name == "sharded-loop":
-        kwargs["foreach"] = False
+    kwargs["foreach"] = name != "sharded-loop"
     return ShardedOptimizer(params, torch.optim.AdamW, **kwargs)
 
 

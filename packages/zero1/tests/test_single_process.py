@@ -13,11 +13,6 @@ import torch
 import torch.distributed as dist
 
 from zero1 import ShardedOptimizer, optimizer_state_bytes, optimizer_state_numel
-from zero1.sharded_optimizer import (
-    FOREACH_MAX_MEAN_NUMEL,
-    FOREACH_MAX_TOTAL_NUMEL,
-    foreach_pays,
-)
 
 pytestmark = pytest.mark.skipif(
     dist.is_available() and dist.is_initialized(),
@@ -254,67 +249,28 @@ def test_add_param_group_mid_training_matches_plain() -> None:
         assert _rel_err(p, q) < 1e-12
 
 
-def test_foreach_only_where_it_pays() -> None:
-    # Foreach loses to the per-tensor loop on the CPU once the tensors outgrow the cache:
-    # large tensors keep PyTorch's default; small ones, or few elements in all, get foreach.
-    torch.manual_seed(0)
-    big = [torch.nn.Parameter(torch.randn(FOREACH_MAX_TOTAL_NUMEL // 2 + 1)) for _ in range(2)]
-    small = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
-    few = [torch.nn.Parameter(torch.randn(4 * FOREACH_MAX_MEAN_NUMEL)) for _ in range(2)]
-    opt = ShardedOptimizer([{"params": big}, {"params": small}, {"params": few}],
-                           torch.optim.AdamW, lr=1e-2)
-    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, True]
-    for p in big + small + few:
-        p.grad = torch.randn_like(p)
-    opt.step()  # the push before the step keeps the per-group choices
-    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, True, True]
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(FOREACH_MAX_TOTAL_NUMEL + 1))]})
-    assert opt.local_optimizer.param_groups[3]["foreach"] is None
-    assert foreach_pays([]) and foreach_pays(small) and foreach_pays(few)
-    assert not foreach_pays(big)
-
-
-def test_local_optimizer_uses_foreach_unless_the_user_chose() -> None:
-    # Our default: foreach kernels for the shard's small tensors, invisible in our groups
-    # and state dicts.
+def test_local_optimizer_takes_the_users_implementation_options() -> None:
+    # The shard's optimizer gets the user's options as they are, and group edits reach it.
     model, ref = _model(), _model()
     opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=1e-2)
     plain = torch.optim.AdamW(_groups(ref), lr=1e-2)
-    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [True, True]
-    assert [g["foreach"] for g in opt.param_groups] == [None, None]
+    assert [g["foreach"] for g in opt.local_optimizer.param_groups] == [None, None]
     _train(model, opt, 3, seed=7)
     _train(ref, plain, 3, seed=7)
-    assert opt.local_optimizer.param_groups[0]["foreach"] is True  # kept through the push
     for p, q in zip(model.parameters(), ref.parameters()):
         assert _rel_err(p, q) < 1e-12
     opt.consolidate_state_dict()
     assert opt.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
-    # An edit of the group reaches the shard, and going back restores our choice.
-    opt.param_groups[1]["foreach"] = False
+    opt.param_groups[1]["foreach"] = True
     _train(model, opt, 1, seed=8)
-    assert opt.local_optimizer.param_groups[1]["foreach"] is False
-    opt.param_groups[1]["foreach"] = None
-    _train(model, opt, 1, seed=9)
     assert opt.local_optimizer.param_groups[1]["foreach"] is True
-    # The user's choice, in the defaults or in one group, is left alone.
     looped = ShardedOptimizer(_groups(_model()), torch.optim.AdamW, lr=1e-2, foreach=False)
     assert [g["foreach"] for g in looped.local_optimizer.param_groups] == [False, False]
     groups = _groups(_model())
-    groups[0]["foreach"] = False
+    groups[0]["foreach"] = True
     mixed = ShardedOptimizer(groups, torch.optim.SGD, lr=0.1)
-    assert [g["foreach"] for g in mixed.local_optimizer.param_groups] == [False, True]
-    assert [g["foreach"] for g in mixed.param_groups] == [False, None]
-    # A group asking for fused kernels is not also given foreach (the two exclude each other).
-    model3 = _model()
-    groups = _groups(model3)
-    groups[1]["fused"] = True
-    fused = ShardedOptimizer(groups, torch.optim.AdamW, lr=1e-2)
-    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
-    _train(model3, fused, 1, seed=10)
-    assert [g["foreach"] for g in fused.local_optimizer.param_groups] == [True, None]
-    fused.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))],
-                           "fused": True})
-    assert fused.local_optimizer.param_groups[2]["foreach"] is None
+    assert [g["foreach"] for g in mixed.local_optimizer.param_groups] == [True, None]
+    assert [g["foreach"] for g in mixed.param_groups] == [True, None]
     # Classes without a foreach option get nothing added.
     class Descent(torch.optim.Optimizer):
         def __init__(self, params, lr):

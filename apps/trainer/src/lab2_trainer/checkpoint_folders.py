@@ -223,6 +223,33 @@ def save_trainer_state(folder: Path, state: dict[str, Any]) -> tuple[int, int]:
     return file_crc(folder / TRAINER_STATE)
 
 
+def trainer_state(trainer: Any) -> dict[str, Any]:
+    """What ``trainer.pt`` holds of a :class:`lab2_trainer.train.Trainer` (rank 0's)."""
+    from lab2_trainer.checkpoint import FORMAT as FILE_FORMAT
+    from lab2_trainer.checkpoint import VERSION as FILE_VERSION
+    from lab2_trainer.checkpoint import rng_state
+    from zero1.checkpoint import pack_param_groups
+
+    return {
+        "format": FILE_FORMAT,
+        "version": FILE_VERSION,
+        "sharded": True,
+        "model_config": trainer.s.model.to_dict(),
+        "optimizer_groups": pack_param_groups(trainer.optimizer.param_groups),
+        "schedule": trainer.schedule.state_dict(),
+        "step": trainer.step,
+        "settings": trainer.s.to_dict(),
+        "sampler": trainer.batches.state_dict(),
+        "data": trainer.corpus.identity(),
+        "rng": rng_state(trainer.ctx.device),
+        "scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+        "world_size": trainer.ctx.world_size,
+        # The learned bucket order (minddp's, or zero1's): a resumed run at this world
+        # size then sums every gradient in the same order, bit for bit (None: nothing).
+        "gradient_order": trainer.parallel.gradient_order,
+    }
+
+
 def load_trainer_state(folder: Path) -> dict[str, Any]:
     """``trainer.pt`` of a step folder, read and checked as a single-file checkpoint is
     (format, version, checksums), less the tensors of the model and the optimizer."""

@@ -21,6 +21,7 @@ foreground.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,11 +40,13 @@ from lab2_trainer.checkpoint_folders import (
     step_folder,
     write_manifest,
 )
-from lab2_trainer.run_folder import refused_write
+from lab2_trainer.run_folder import WriteFailed, refused_write
 from lab2_trainer.sharded_checkpoint import (
+    MOMENTS,
     Part,
     model_parts,
     state_holders,
+    state_key,
     state_parts,
     write_parts,
 )
@@ -75,22 +78,32 @@ class Checkpointer:
         # DCP's collectives run here, on the writer thread, apart from training's.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._prepare: threading.Thread | None = None
+        if device.type == "cuda":
+            # Pinned memory takes seconds to allocate: make the buffers meanwhile.
+            self._prepare = threading.Thread(target=self._make_buffers,
+                                             name="checkpoint-buffers", daemon=True)
+            self._prepare.start()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.stalls: list[float] = []  # seconds training waited, per save
+        self.final_wait = 0.0  # seconds the end of the run waited for the last save
         self.saved: list[Path] = []  # folders completed by this process
 
     # ------------------------------------------------------------------------ saving
     def save(self, step: int, trainer_state: dict[str, Any] | None) -> float:
         """Save the model, AdamW's state and (on rank 0) ``trainer_state`` as step
-        ``step``; every rank. Returns the seconds training stalled for it (waiting for
-        the previous save, and the copy)."""
+        ``step``; every rank. Returns the seconds training stalled for it: waiting for
+        the previous save, and the copy (and the write, in the foreground)."""
         start = time.perf_counter()
-        self.wait()
+        self.report(self.wait())
+        if self._prepare is not None:  # the buffers being made at start-up
+            self._prepare.join()
+            self._prepare = None
         parts = []
         # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
         holders = state_holders(self.model, self.optimizer, self.sharding)
-        for part in model_parts(self.model, self.sharding) + state_parts(holders):
+        for part in model_parts(self.model, self.sharding, self.optimizer) + state_parts(holders):
             mine = part.to_write(self.rank, self.world_size)
             if mine is not None:
                 parts.append(mine)
@@ -100,8 +113,6 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             # Rewriting a step (a resume from an earlier one): not a checkpoint meanwhile.
             (folder / MANIFEST).unlink(missing_ok=True)
-        stall = time.perf_counter() - start
-        self.stalls.append(stall)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._write_reporting,
                                             args=(folder, staged, trainer_state, step),
@@ -109,7 +120,25 @@ class Checkpointer:
             self._thread.start()
         else:
             self._write_reporting(folder, staged, trainer_state, step)
+        stall = time.perf_counter() - start
+        self.stalls.append(stall)
         return stall
+
+    def _make_buffers(self) -> None:
+        """Pinned buffers for what :meth:`save` will copy, AdamW's state included before
+        it exists (its moments take their parameter's range and dtype)."""
+        expected = model_parts(self.model, self.sharding, self.optimizer)
+        for h in state_holders(self.model, self.optimizer, self.sharding):
+            local = h.flat(h.tensor)
+            for what in MOMENTS:
+                expected.append(Part(state_key(h.name, what), h.numel, h.start,
+                                     torch.empty(local.shape, dtype=local.dtype,
+                                                 device="meta"), replicated=h.replicated))
+        for part in expected:
+            mine = part.to_write(self.rank, self.world_size)
+            if mine is not None and mine.key not in self._buffers:
+                self._buffers[mine.key] = torch.empty(mine.data.shape, dtype=mine.data.dtype,
+                                                      pin_memory=True)
 
     def _stage(self, parts: list[Part]) -> list[Part]:
         """Copies of ``parts`` in CPU memory (pinned on CUDA; buffers reused across saves),
@@ -145,8 +174,12 @@ class Checkpointer:
         from torch.distributed.checkpoint import FileSystemWriter
 
         folder.mkdir(parents=True, exist_ok=True)
-        metadata = write_parts(staged, FileSystemWriter(str(folder), thread_count=1,
-                                                        sync_files=True), self.group)
+        # A step written again (a resume from an earlier one, or after an interrupted
+        # write): its old metadata goes first, on every rank. Safe: the new one is written
+        # by rank 0 only after every rank has planned.
+        (folder / ".metadata").unlink(missing_ok=True)
+        writer = FileSystemWriter(str(folder), thread_count=1, sync_files=True)
+        metadata = write_parts(staged, writer, self.group)
         names = sorted({info.relative_path for info in metadata.storage_data.values()})
         if self.rank == 0:
             names.append(".metadata")
@@ -169,6 +202,24 @@ class Checkpointer:
         self.saved.append(folder)
 
     # ------------------------------------------------------------------------ waiting
+    def report(self, error: str | None) -> None:
+        """One line on stderr for a background save that failed; training goes on."""
+        if error is not None:
+            print(f"lab2-train: warning: rank {self.rank}: {error}", file=sys.stderr,
+                  flush=True)
+
+    def finish(self) -> None:
+        """Wait for the save in flight (the end of a run).
+
+        Raises:
+            WriteFailed: it failed (one line, every rank's: rank 0 prints it).
+        """
+        start = time.perf_counter()
+        error = self.wait()
+        self.final_wait = time.perf_counter() - start
+        if error is not None:
+            raise WriteFailed(error)
+
     def wait(self) -> str | None:
         """Wait for the save in flight, if any; returns its error line (None: written),
         which is then cleared."""

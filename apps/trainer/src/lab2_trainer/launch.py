@@ -143,10 +143,12 @@ def _say(line: str) -> None:
 
 
 def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: float,
-             folder: str | None = None, launcher_pid: int | None = None) -> int:
-    """The entry of every rank, local or started by ``torchrun``: guard the rank
-    (:class:`lab2_trainer.supervise.RankGuard`), join the process group and run ``fn(ctx, *args)``;
-    return the rank's exit code, having printed one message when it failed.
+             folder: str | None = None, launcher_pid: int | None = None,
+             threads: int | None = None) -> int:
+    """The entry of every rank, local (the elastic agent of :func:`spawn_local` runs it) or
+    started by ``torchrun``: guard the rank (:class:`lab2_trainer.supervise.RankGuard`),
+    join the process group and run ``fn(ctx, *args)``; return the rank's exit code, having
+    printed one message when it failed.
 
     Args:
         fn: takes a :class:`DistContext` first.
@@ -155,7 +157,12 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
         timeout_s: the process group's collective timeout (``--timeout``).
         folder: the local run's watch folder (None under ``torchrun``).
         launcher_pid: the local launcher's pid (None: the parent, torchrun's agent).
+        threads: a local rank's intra-op threads. Such a rank, when it failed or was
+            stopped, ends at once, without the interpreter's shutdown (where threads of the
+            torch and Gloo runtimes may still call into a half-torn-down Python).
     """
+    if threads is not None:
+        torch.set_num_threads(threads)
     rank = int(os.environ.get("RANK", "0"))
     if not os.environ.get("PYTHONFAULTHANDLER"):
         # The elastic agent turns on faulthandler's stack dumps in every rank: a rank killed
@@ -167,14 +174,14 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
         ctx = init_from_env(device_type, timeout_s)
         fn(ctx, *args)
         dist.destroy_process_group()
-        return 0
+        code = 0
     except UsageError as exc:
         print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
         guard.mark(FAILED)
-        return EXIT_BAD_INPUT
+        code = EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:
         signalled = True
-        return exit_code_for(exc)
+        code = exit_code_for(exc)
     except BaseException as exc:
         if is_timeout_error(exc):
             guard.mark(TIMED_OUT)
@@ -198,26 +205,18 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
         else:
             guard.mark(FAILED)
             _say(f"rank {rank} failed:\n{traceback.format_exc()}")
-        return 1
+        code = 1
     finally:
         guard.stop(signalled=signalled)
         if guard.orphaned and folder is None and os.environ.get("LOCAL_RANK", "0") == "0":
             # torchrun's agent (which hosts the store) is gone: its ranks stop; one says so.
             _say(f"rank {rank} stopped: its launcher, torchrun's agent (pid "
                  f"{guard.parent_pid}), is gone; the ranks of this node stop with it")
-
-
-def _local_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: float,
-                folder: str, launcher_pid: int, threads: int) -> None:
-    """What the elastic agent runs in each local rank: :func:`run_rank`. A rank that failed
-    or was stopped ends at once, without the interpreter's shutdown (where threads of the
-    torch and Gloo runtimes may still call into a half-torn-down Python)."""
-    torch.set_num_threads(threads)
-    code = run_rank(fn, args, device_type, timeout_s, folder, launcher_pid)
-    if code:
+    if code and threads is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    return code
 
 
 #: The loggers of the elastic agent and of its worker processes: quiet during a local
@@ -278,7 +277,7 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
     os.environ["OMP_NUM_THREADS"] = str(threads)
     watch = LaunchWatch(folder, nproc, timeout_s).start()
     try:
-        elastic_launch(config, _local_rank)(fn, args, device_type, timeout_s, folder,
+        elastic_launch(config, run_rank)(fn, args, device_type, timeout_s, folder,
                                             os.getpid(), threads)
         return 0
     except ChildFailedError as exc:

@@ -203,9 +203,8 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
       projection's input) and the log-sum-exp (4 bytes a head);
     * SwiGLU keeps w1's and w3's outputs, SiLU's output and the product (4 a d_ff); GELU
       w1's output and GELU's (2 a d_ff). Compiled, Inductor's partitioner recomputes some
-      of the elementwise work: SwiGLU keeps 3 a d_ff (fitted to the peaks measured at
-      medium and xl, 8 to 64 x 512, on an H200: 44 d bytes a layer and token in all),
-      GELU is taken as eager.
+      of the elementwise work: SwiGLU keeps 3 a d_ff (a fit to measured peaks: the
+      README's planner section links the record), GELU is taken as eager.
 
     ``full``: the block's inputs only (the fp32 residual stream and the pending branch
     output, (4 + a) d). ``selective`` (the op-level policy): the inputs, and the outputs

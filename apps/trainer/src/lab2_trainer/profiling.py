@@ -62,12 +62,16 @@ class StepProfiler:
         """Whether the trace is to be written now, after step ``step``."""
         return self._profiler is not None and step >= self.last
 
+    def wait_for_device(self) -> None:
+        """Wait until the device has run the traced steps' work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def finish(self) -> Path | None:
         """Stop tracing and write the trace (if any step was traced); returns its path."""
         if self._profiler is None:
             return self.written
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.wait_for_device()
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,5 @@
-"""Work that rank 0 does alone (the end of a run: plot, sample, summary; writing a gathered
-checkpoint) while the other ranks wait for it, in a wait that ``--timeout`` bounds only
-while rank 0 is silent.
+"""Work that rank 0 does alone (the end of a run: loss curve, sample, summary) while the
+other ranks wait for it, in a wait that ``--timeout`` bounds only while rank 0 is silent.
 
 A collective (a barrier) would bound rank 0's legitimate work by the collective timeout:
 a long sample, or a slow disk, would end a healthy run, and blame rank 0 for it. Here rank

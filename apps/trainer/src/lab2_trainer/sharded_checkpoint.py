@@ -20,10 +20,12 @@ rank describes what it holds as :class:`Part`\\ s, ``(key, start, local 1-D tens
   a contiguous range of its parameter (:class:`zero1.buckets.Piece`, ``start``);
 * zero1-allreduce and torch (ZeroRedundancyOptimizer) give whole parameters' state to one
   rank each;
-* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range.
+* fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range;
+* zero1's stage 3 (``zero1.shard_model`` and ``Stage3Optimizer``, "zero3") keeps each
+  parameter's values and state in the same pieces of its units' flat shards.
 
-A stage that shards the parameters themselves adds its parts in :func:`model_parts` and
-:func:`state_parts`; nothing else changes.
+A new kind adds its parts in :func:`model_parts` and :func:`state_holders`; nothing else
+changes.
 
 DCP is told about the parts by a small save planner (:class:`PartSavePlanner`: one
 ``WriteItem`` per part, with its offset in the whole tensor) and read back by a load
@@ -156,9 +158,16 @@ def _rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def model_parts(model: torch.nn.Module, sharding: str) -> list[Part]:
-    """This rank's parts of the model's parameters."""
+def model_parts(model: torch.nn.Module, sharding: str,
+                optimizer: torch.optim.Optimizer | None = None) -> list[Part]:
+    """This rank's parts of the model's parameters (``optimizer``: with "zero3", whose
+    pieces hold the parameters' shards)."""
     rank, world = _rank_and_size()
+    if sharding == "zero3":
+        names = parameter_names(model)
+        return [Part(model_key(names[id(piece.param)]), piece.param.numel(), piece.start,
+                     piece.local.detach())
+                for _, piece in optimizer.numbered_pieces()]
     parts = []
     for name, p in model.named_parameters():
         if sharding == "fsdp":
@@ -179,7 +188,7 @@ def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Where this rank keeps AdamW state, whatever the kind."""
     names = parameter_names(model)
     rank, world = _rank_and_size()
-    if sharding in ("zero1", "zero2", "zero1-allreduce"):
+    if sharding in ("zero1", "zero2", "zero1-allreduce", "zero3"):
         local = optimizer.local_optimizer
         return [StateHolder(names[id(piece.param)], piece.param.numel(), piece.start,
                             piece.local, local)
@@ -279,9 +288,8 @@ def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> Non
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
-        dcp.load({p.key: p.data for p in parts}, storage_reader=reader,
-                 planner=PartLoadPlanner(parts), process_group=process_group,
-                 no_dist=not distributed)
+        _call(dcp.load, {p.key: p.data for p in parts}, distributed, storage_reader=reader,
+              planner=PartLoadPlanner(parts), process_group=process_group)
 
 
 def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> Any:
@@ -290,9 +298,22 @@ def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> An
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
-        return dcp.save({p.key: p.data for p in parts}, storage_writer=writer,
-                        planner=PartSavePlanner(parts), process_group=process_group,
-                        no_dist=not distributed)
+        return _call(dcp.save, {p.key: p.data for p in parts}, distributed,
+                     storage_writer=writer, planner=PartSavePlanner(parts),
+                     process_group=process_group)
+
+
+def _call(fn: Any, state: dict[str, torch.Tensor], distributed: bool, **kwargs: Any) -> Any:
+    """``dcp.save`` or ``dcp.load``, told when there is no process group (torch before 2.5
+    takes no ``no_dist`` there and finds out by itself)."""
+    if distributed:
+        return fn(state, **kwargs)
+    try:
+        return fn(state, no_dist=True, **kwargs)
+    except TypeError as exc:
+        if "no_dist" not in str(exc):
+            raise
+        return fn(state, **kwargs)
 
 
 @contextlib.contextmanager
@@ -309,6 +330,27 @@ def _alone_is_meant(distributed: bool) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------- loading
+def load_folder(folder: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                sharding: str) -> None:
+    """Read this rank's part of the model and of AdamW's state from a step folder (every
+    rank; collectives). The launcher checked the folder whole first (manifest, checksums,
+    sizes, finite values).
+
+    Raises:
+        UsageError: it does not fit this model.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lab2_trainer.checkpoint_folders import saved_tensors
+    from lab2_trainer.config import UsageError
+
+    try:
+        load_into(model, optimizer, sharding, FileSystemReader(str(folder)),
+                  set(saved_tensors(folder)))
+    except ValueError as exc:
+        raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
+
+
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str,
               reader: Any, saved_keys: set[str]) -> list[Part]:
     """Load a checkpoint's model and AdamW state into this rank's parameters and optimizer
@@ -319,7 +361,8 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding
         saved_keys: the tensors the checkpoint holds (its metadata's keys): a parameter
             without ``optim.<name>.exp_avg`` there was not stepped yet and gets no state.
     """
-    parts = [Part(p.key, p.numel, p.start, p.data) for p in model_parts(model, sharding)]
+    parts = [Part(p.key, p.numel, p.start, p.data)
+             for p in model_parts(model, sharding, optimizer)]
     holders = state_holders(model, optimizer, sharding)
     fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
     for h in holders:

@@ -25,14 +25,16 @@ rank of this trainer drives one device, so the worker gains nothing; and Python 
 backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
 hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
 state, after a hand-over each way. The trainer therefore runs backward on the caller
-(measured in ``apps/trainer/docs/benchmarks/2026-12-01-h200-backward-thread.md``).
+(the measurement: the README's ``--backward-thread`` section links the record).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,13 +44,10 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.checkpoint import (
-    FORMAT,
-    VERSION,
     load_checkpoint,
-    rng_state,
     set_rng_state,
 )
-from lab2_trainer.checkpoint_folders import load_trainer_state
+from lab2_trainer.checkpoint_folders import load_trainer_state, trainer_state
 from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
 from lab2_trainer.checkpoint_writer import Checkpointer
 from lab2_trainer.config import (
@@ -68,7 +67,7 @@ from lab2_trainer.data import (
 )
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
-from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.parallel import Parallel, fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
@@ -82,8 +81,9 @@ from lab2_trainer.report import (
     provenance,
     recompute_flops_per_token,
 )
-from lab2_trainer.run_folder import WriteFailed, atomic_write_text
+from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.shapes import training_flops_per_token
+from lab2_trainer.sharded_checkpoint import load_folder
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
@@ -154,6 +154,10 @@ def backward_thread(kind: str) -> AbstractContextManager:
     return torch.autograd.set_multithreading_enabled(kind == "autograd")
 
 
+# The step's own name for it (its argument ``backward_thread`` is the kind).
+backward_thread_context = backward_thread
+
+
 # ----------------------------------------------------------------------- training loop
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
@@ -210,6 +214,69 @@ def evaluate(model: torch.nn.Module, sampler: BatchSampler, n_batches: int, ctx:
     return all_mean(total / n_batches)
 
 
+def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+               *, precision: str, device: torch.device, clip: float,
+               scaler: torch.amp.GradScaler | None = None, backward_thread: str = "caller",
+               mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of ``parallel`` on this rank's ``micro_batches``: the trainer's
+    step, and the one the benchmarks time.
+
+    Forward under autocast and backward per micro-batch (all but the last inside
+    ``no_sync``), the gradient averaging (``finish``), clipping by the global norm of the
+    averaged gradients, the optimizer step (through ``scaler`` for fp16), and the
+    gradients set to None.
+
+    Args:
+        clip: the global norm to clip to (0: none, the norm is still measured).
+        mark: called with "forward", "backward", "sync" and "optimizer" as each part ends
+            (a benchmark's marks; the first two once per micro-batch).
+
+    Returns:
+        (this rank's mean loss, the gradient norm before clipping), tensors on the device.
+    """
+    optimizer = parallel.optimizer
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else parallel.no_sync():
+            with autocast_context(precision, device):
+                _, loss = parallel(x, y)
+            if mark is not None:
+                mark("forward")
+            scaled = loss / len(micro_batches)
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            with backward_thread_context(backward_thread):
+                scaled.backward()
+            if mark is not None:
+                mark("backward")
+        loss_sum += loss.detach()
+    parallel.finish()
+    if mark is not None:
+        mark("sync")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = parallel.clip_grad_norm_(clip if clip > 0 else math.inf)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    if mark is not None:
+        mark("optimizer")
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / len(micro_batches), grad_norm
+
+
+def _with_active_clock(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.run`` with its wall clock the one :func:`checkpoint_stall` counts on."""
+    @functools.wraps(run)
+    def with_clock(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.active():
+            return run(self, *args, **kwargs)
+    return with_clock
+
+
 class Trainer:
     """Everything one rank holds for a run; :meth:`run` trains it to ``settings.steps``.
 
@@ -227,7 +294,7 @@ class Trainer:
         check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
         self.corpus = load_corpus(s.data, s.vocab_size)
         # A single-file checkpoint is loaded whole here; a sharded one (a step folder) by
-        # every rank into its own part once the model is set up (load_shards).
+        # every rank into its own part once the model is set up (load_folder).
         resume = resolve_checkpoint(s.resume) if s.resume else None
         sharded = resume is not None and resume.is_dir()
         ckpt = None
@@ -254,7 +321,6 @@ class Trainer:
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward)
-        self.sync = self.parallel.sync
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
         self.optimizer = self.parallel.optimizer
@@ -269,7 +335,7 @@ class Trainer:
         if sharded:
             # The bucket order first (zero1 rebuilds its buckets), then each rank's part.
             self.set_gradient_order(ckpt.get("gradient_order"))
-            self.load_shards(resume)
+            load_folder(resume, self.model, self.optimizer, s.sharding)
         if ckpt is not None:
             self._restore(ckpt)
         # Every rank, here (it makes the writer's process group).
@@ -280,21 +346,6 @@ class Trainer:
         self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
                                   ctx.device)
         self.peak = device_peak(ctx.device)
-
-    def load_shards(self, folder: Path) -> None:
-        """Read this rank's part of the model and of AdamW's state from a sharded
-        checkpoint (every rank; collectives). The launcher checked it whole first
-        (manifest, checksums, shapes, finite values)."""
-        from torch.distributed.checkpoint import FileSystemReader
-
-        from lab2_trainer.checkpoint_folders import saved_tensors
-        from lab2_trainer.sharded_checkpoint import load_into
-
-        try:
-            load_into(self.model, self.optimizer, self.s.sharding,
-                      FileSystemReader(str(folder)), set(saved_tensors(folder)))
-        except ValueError as exc:
-            raise UsageError(f"checkpoint {folder} does not fit: {exc}") from None
 
     def set_gradient_order(self, order: list[int] | None) -> None:
         try:
@@ -316,86 +367,14 @@ class Trainer:
         self.step = int(ckpt["step"])
 
     def save_checkpoint(self) -> None:
-        """Save a sharded checkpoint of this step: every rank writes its own part, in the
-        background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing is
-        gathered. The stall is recorded in ``checkpointer.stalls``."""
-        from zero1.checkpoint import pack_param_groups
+        """Save a sharded checkpoint of this step: every rank its own part, in the
+        background unless ``--no-ckpt-async`` (:class:`Checkpointer`); nothing gathered."""
+        self.checkpointer.save(self.step, trainer_state(self) if self.ctx.is_main else None)
 
-        state = None
-        if self.ctx.is_main:
-            state = {
-                "format": FORMAT,
-                "version": VERSION,
-                "sharded": True,
-                "model_config": self.s.model.to_dict(),
-                "optimizer_groups": pack_param_groups(self.optimizer.param_groups),
-                "schedule": self.schedule.state_dict(),
-                "step": self.step,
-                "settings": self.s.to_dict(),
-                "sampler": self.batches.state_dict(),
-                "data": self.corpus.identity(),
-                "rng": rng_state(self.ctx.device),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "world_size": self.ctx.world_size,
-                # The learned bucket order (minddp's, or zero1's): a resumed run at this
-                # world size then sums every gradient in the same order, bit for bit
-                # (None: nothing learned).
-                "gradient_order": self.parallel.gradient_order,
-            }
-        self.report_checkpoint_error(self.checkpointer.wait())
-        self.checkpointer.save(self.step, state)
-
-    def finish_checkpoints(self) -> None:
-        """Wait for the save in flight (the end of a run); a failed last save fails the
-        run."""
-        error = self.checkpointer.wait()
-        if error is not None:
-            raise WriteFailed(error)  # every rank's: one line, rank 0's
-
-    def report_checkpoint_error(self, error: str | None) -> None:
-        """One line on stderr for a background save that failed; training goes on."""
-        if error is not None:
-            import sys
-
-            print(f"lab2-train: warning: rank {self.ctx.rank}: {error}", file=sys.stderr,
-                  flush=True)
-
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (this rank's mean loss, gradient norm before
-        clipping) as tensors on the device, so that nothing here waits for the GPU."""
-        s, ctx = self.s, self.ctx
-        lr = self.schedule(self.step)
-        set_lr(self.optimizer, lr)
-        micro_batches = self.batches.next()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with (contextlib.nullcontext() if last else self.parallel.no_sync()):
-                with autocast_context(s.precision, ctx.device):
-                    _, loss = self.parallel(x, y)
-                scaled = loss / s.grad_accum
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                with backward_thread(s.backward_thread):
-                    scaled.backward()
-            loss_sum += loss.detach()
-        self.parallel.finish()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = self.parallel.clip_grad_norm_(s.clip if s.clip > 0 else math.inf)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # The GPU has this step's work queued: draw and send the next batch meanwhile.
-        self.batches.prefetch()
-        self.step += 1
-        return loss_sum / s.grad_accum, grad_norm
-
+    @_with_active_clock
     def run(self, stop_at: int | None = None) -> dict[str, Any]:
-        """Train to ``settings.steps``; on rank 0 also report, plot, sample and summarise.
+        """Train to ``settings.steps``, one :func:`train_step` a step; on rank 0 also
+        report, plot, sample and summarise.
 
         Args:
             stop_at: stop early after this step, with a checkpoint, as if interrupted there
@@ -404,10 +383,6 @@ class Trainer:
         Returns:
             The summary (on every rank; file paths and figures are rank 0's).
         """
-        with self.clock.active():
-            return self._run(stop_at)
-
-    def _run(self, stop_at: int | None) -> dict[str, Any]:
         s, ctx, clock = self.s, self.ctx, self.clock
         out = Path(s.out)
         reporter = None
@@ -435,10 +410,20 @@ class Trainer:
         try:
             while self.step < end:
                 with profiler.step(self.step + 1) if profiler else contextlib.nullcontext():
-                    loss, grad_norm = self.train_step()
+                    set_lr(self.optimizer, self.schedule(self.step))
+                    loss, grad_norm = train_step(
+                        self.parallel, self.batches.next(), precision=s.precision,
+                        device=ctx.device, clip=s.clip, scaler=self.scaler,
+                        backward_thread=s.backward_thread)
+                    # The GPU has this step's work queued: draw and send the next batch.
+                    self.batches.prefetch()
+                    self.step += 1
                 if profiler is not None and profiler.due(self.step):
+                    profiler.wait_for_device()  # the traced steps' own work: training
+                    exporting = time.perf_counter()
                     with clock.phase("other"):
                         profiler.finish()
+                    window_start += time.perf_counter() - exporting  # not a step's time
                 pending.append((self.step, self.schedule(self.step - 1), loss, grad_norm))
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
@@ -476,7 +461,7 @@ class Trainer:
                                         s.precision)
             # The end of the run waits for the save in flight: a stall too.
             with checkpoint_stall():
-                self.finish_checkpoints()
+                self.checkpointer.finish()  # a failed last save fails the run
         finally:
             clock.switch("other")
             if profiler is not None:  # the steps traced so far, when the run ends early
@@ -499,8 +484,10 @@ class Trainer:
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
             "parameters": self.model.num_parameters(),
-            "checkpoint_stall_seconds": sum(self.checkpointer.stalls),
-            "checkpoint_stall_max_seconds": max(self.checkpointer.stalls, default=0.0),
+            # Seconds each save kept training waiting (the copy to CPU memory, and any wait
+            # for the previous save), and the end of the run for the last one.
+            "checkpoint_stalls": self.checkpointer.stalls,
+            "checkpoint_final_wait_s": self.checkpointer.final_wait,
         }
         # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
         with clock.phase("sampling"):

@@ -17,8 +17,8 @@ def copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None 
     """Bytes per second moved by ``dst.copy_(src)``, counting the read and the write (the
     median of ``repeats`` timed copies, L2 flushed on CUDA).
 
-    This is the ceiling a memory-bound kernel can hope for on this device (on an H200 about
-    4.3e12). ``device``: default CUDA if available, else CPU; ``nbytes``: the source
+    This is the ceiling a memory-bound kernel can hope for on this device (figures in
+    ``docs/benchmarks/``). ``device``: default CUDA if available, else CPU; ``nbytes``: the source
     tensor's size (default 1 GiB on CUDA, 64 MiB on the CPU).
     """
     dev = resolve_device(device)

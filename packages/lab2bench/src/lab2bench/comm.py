@@ -356,7 +356,10 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
                        else [tensors])
             return original_allreduce(group, tensors, *args, **kwargs)
 
-        self._saved.append((dist.ProcessGroup, "allreduce", original_allreduce))
+        # Restored from the class's own entry: the attribute read above is pybind's unbound
+        # function, which would not bind to the group when set back on the class.
+        self._saved.append((dist.ProcessGroup, "allreduce",
+                            vars(dist.ProcessGroup).get("allreduce", original_allreduce)))
         dist.ProcessGroup.allreduce = pg_allreduce
         return self.counter
 

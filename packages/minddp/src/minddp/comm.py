@@ -47,20 +47,10 @@ def global_rank_of(process_group: dist.ProcessGroup | None, rank_in_group: int) 
 
 
 # ------------------------------------------------------------------ averaging
-# Start an in-place, asynchronous all-reduce that leaves the average in the tensor.
-#
-# Both overlapping wrappers launch one of these per bucket (or per gradient) from inside
-# backward, where every microsecond of host time delays the next backward kernel. So:
-#
-# * NCCL averages natively (``ReduceOp.AVG``): one kernel, no separate division pass over
-#   the gradients. Gloo has no AVG, so there the tensor is divided by the world size first
-#   and summed (pre-dividing keeps the sum in range for half-precision gradients).
-# * The collective is started on the process group object directly with options built
-#   once, skipping ``torch.distributed.all_reduce``'s per-call argument checks (tens of
-#   microseconds each on a slow host, measured on an H200 machine).
-# * In a group of one the average is the tensor itself: nothing is launched. NCCL would
-#   still run a one-rank reduce kernel per call (4% of an xl training step on one H200,
-#   146 launches per step with 25 MB buckets).
+# One asynchronous in-place all-reduce that leaves the average, launched from inside
+# backward: NCCL averages natively (no division pass), Gloo divides first then sums; the
+# group object is called directly with options built once (no per-call argument checks);
+# a group of one launches nothing. The figures: docs/benchmarks/README.md (host time).
 class _Done:
     """The handle of an average that needed no collective (a group of one)."""
 
@@ -110,13 +100,8 @@ class Averager:
 
 
 # ------------------------------------------------------------------ list-wide copies
-# Copy or zero a list of tensors in one call.
-#
-# Inside backward every tensor operation costs host time in the thread that drives the
-# GPU, and a Python loop of ``copy_`` calls pays the dispatcher once per tensor (about
-# 2 µs each on a CPU, a kernel launch each on CUDA). ``torch._foreach_*`` does the whole
-# list in one call: one loop in C++ on the CPU, one or a few multi-tensor kernels on CUDA.
-
+# Copy or zero a list of tensors in one ``torch._foreach_*`` call instead of a Python loop
+# that pays the dispatcher (or a kernel launch) once per tensor.
 _copy = getattr(torch, "_foreach_copy_", None)
 _zero = getattr(torch, "_foreach_zero_", None)
 

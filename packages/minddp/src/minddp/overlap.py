@@ -1,9 +1,6 @@
 """What both overlapping wrappers (:mod:`minddp.individual`, :mod:`minddp.bucketed`)
-share: construction checks, forward, ``no_sync``, the gradient hooks, the fixed launch
+share: construction checks, forward, ``no_sync``, the gradient hooks, the agreed launch
 order, and the per-step bookkeeping around their collectives.
-
-Sections, in order: the per-step state and the stats of a finish call; agreeing on the
-launch order; the base class.
 """
 
 from __future__ import annotations
@@ -24,13 +21,9 @@ from minddp.model_check import check_model_consistency
 
 
 # ------------------------------------------------------------------ per-step state
-# Timing counters a wrapper fills in on every ``finish_gradient_synchronization``.
 @dataclass
 class SyncStats:
-    """What the last ``finish_gradient_synchronization`` call cost.
-
-    Benchmarks read these to compute how much communication stayed exposed after
-    backward (``wait_seconds``, or ``finish_seconds`` including the bookkeeping).
+    """What the last ``finish_gradient_synchronization`` call cost (benchmarks read it).
 
     Attributes:
         finish_seconds: wall time of the whole ``finish_gradient_synchronization`` call.
@@ -46,12 +39,8 @@ class SyncStats:
     launched_in_finish: int = 0
 
 
-# The bookkeeping of one synchronized step, in a plain object.
-#
-# The wrappers are ``nn.Module``s, and every attribute assignment on a module goes through
-# ``nn.Module.__setattr__`` (checks for parameters, submodules and buffers: about 1 µs
-# each, measured with cProfile). Gradient hooks update this state once per parameter per
-# backward, so it lives here, where an assignment is a slot store.
+# Hooks update this once per parameter per backward: a slotted object, not attributes of
+# the wrapper, whose ``nn.Module.__setattr__`` costs a microsecond each.
 class StepState:
     """What hooks and the finish call update during one synchronized step.
 
@@ -87,15 +76,8 @@ class StepState:
 
 
 # ------------------------------------------------------------------ launch order
-# Agree, once, on the order in which gradients are expected.
-#
-# Both overlapping wrappers launch collectives only along a fixed order, the same
-# on every rank. They start with reverse registration order; after the first
-# synchronized step they switch to the order rank 0 actually saw its gradients
-# arrive in, so a model whose backward does not reverse its registration order (or
-# whose last-registered parameter is unused) still overlaps communication from the
-# second step on. Rank 0's observation is broadcast, so every rank adopts the same
-# order even when their backward passes differed.
+# Collectives go out along one order, the same on every rank: reverse registration order
+# in the first step, then the order rank 0 saw gradients arrive in (broadcast).
 def agree_on_order(
     observed: list[int], count: int, process_group: dist.ProcessGroup | None
 ) -> list[int]:
@@ -133,13 +115,8 @@ class DataParallelWrapper(nn.Module):
     is already on the wire), ``_learn_order(order)`` and ``_finish(start)`` (the body
     of ``finish_gradient_synchronization()``, which ends with ``_end_synchronization``),
     and may override ``_bucket_sizes()``. The per-step state is ``self._step``, a
-    :class:`StepState`.
-
-    Host time: the hook runs once per parameter per backward, on the thread that
-    launches the backward's kernels, so everything it does delays the GPU when steps
-    are host-bound. It does list lookups and stores only; tensor work (copies, flags,
-    collectives) happens once per bucket, or once per parameter for the per-parameter
-    wrapper's collective.
+    :class:`StepState`. The hook does list lookups and stores only (it delays the
+    backward's kernels); tensor work happens once per bucket.
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
@@ -162,13 +139,9 @@ class DataParallelWrapper(nn.Module):
         self._gradient_order: list[int] | None = None  # the agreed order, once learned
 
     def _register_grad_hooks(self, params: list[nn.Parameter]) -> None:
-        # One post-accumulate-grad hook per parameter: of the ways to learn that a
-        # gradient is complete, the cheapest (benchmarks/host_time.py, hook:*: about 1.4 µs per
-        # parameter with an empty body, where register_multi_grad_hook(mode="all") over
-        # a bucket costs about 19 µs per parameter: it installs a Python hook on every
-        # tensor underneath, and each takes a lock and fills dictionaries).
-        # The hook holds the wrapper weakly: a discarded wrapper must not keep
-        # launching collectives from a module the user still trains.
+        # A post-accumulate-grad hook per parameter, the cheapest way to learn that a
+        # gradient is complete (docs/benchmarks/README.md, host time). It holds the wrapper
+        # weakly: a discarded wrapper must not keep launching collectives.
         this = weakref.ref(self)
         for index, p in enumerate(params):
 

@@ -1,12 +1,15 @@
-"""zero1: optimizer-state sharding (ZeRO stage 1) around any ``torch.optim`` optimizer.
+"""zero1: ZeRO sharding (stages 1, 2 and 3) around any elementwise ``torch.optim`` optimizer.
 
-Modules: :mod:`zero1.sharded_optimizer` (the optimizer, its group, its state's size),
-:mod:`zero1.buckets` (the reduce-scatter path), :mod:`zero1.exchange` (the broadcast
-path: ownership and the parameter exchange), :mod:`zero1.checkpoint` (state dicts and
-their checks), :mod:`zero1.param_groups` (what users pass as ``params``).
+Modules: :mod:`zero1.flat` (flat buckets cut into equal shards and their collectives,
+shared by every stage), :mod:`zero1.buckets` (stages 1 and 2), :mod:`zero1.rooted`
+(Gloo's faster collectives), :mod:`zero1.sharded_optimizer` (``ShardedOptimizer``),
+:mod:`zero1.stage3` and :mod:`zero1.stage3_optimizer` (stage 3), :mod:`zero1.exchange`
+(the broadcast path), :mod:`zero1.checkpoint` (state dicts and their checks),
+:mod:`zero1.param_groups` (what users pass as ``params``, checked across ranks).
 """
 
 from .exchange import partition_parameters
+from .param_groups import ParameterMismatchError
 from .sharded_optimizer import ShardedOptimizer, optimizer_state_bytes, optimizer_state_numel
 from .stage3 import shard_model, sharding_of
 from .stage3_optimizer import Stage3Optimizer
@@ -14,6 +17,7 @@ from .stage3_optimizer import Stage3Optimizer
 __version__ = "0.3.0"
 
 __all__ = [
+    "ParameterMismatchError",
     "ShardedOptimizer",
     "Stage3Optimizer",
     "optimizer_state_bytes",

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from minddp._internal import TensorInfo, adopt_gradients, assign_buckets, copy_all, zero_all
+from minddp._internal import (
+    TensorInfo,
+    adopt_gradients,
+    agree_on_order,
+    assign_buckets,
+    copy_all,
+    zero_all,
+)
 
 from .flat import FlatLayout, ShardCollectives, bind, member_views
 from .rooted import RootedCollectives
@@ -75,6 +82,8 @@ class _Bucket:
     grads: torch.Tensor | None = None  # stage 1: the members' local gradients, flat
     views: list[torch.Tensor] = field(default_factory=list)  # stage 1: members' .grad
     pointers: list[int] = field(default_factory=list)  # each member's bound data_ptr
+    pieces: list[tuple[Piece, torch.Tensor, int]] = field(default_factory=list)  # this
+    # rank's pieces: (piece, its averaged gradient in grad_shard, parameter index)
     fresh: bool = True  # stage 2: the next reduction replaces the shard instead of adding
     sent: bool = False  # stage 1: reduced once already this step
 
@@ -119,7 +128,7 @@ class ShardedBuckets:
         self.reduce_dtype = reduce_dtype
         self.params: list[torch.Tensor] = []
         self.buckets: list[_Bucket] = []
-        self.layout_version = 0  # changes whenever the pieces do
+        self.layout_version = 0  # changes when buckets are rebuilt (their pieces with them)
         self._observed: list[int] | None = []  # first-gradient order, until learned
         self._order: list[int] | None = None  # the learned order, once learned
         self._hooks: list = []
@@ -137,7 +146,7 @@ class ShardedBuckets:
         new = [self._make_bucket([first + i for i in members]) for members in plan]
         for bucket in new:
             dist.broadcast(bucket.params, src=self.info.global_ranks[0], group=self.info.group)
-        self._index(self.buckets + new, len(self.buckets))
+        self._index(self.buckets + new)
         self._register_hooks(first)
         self._reset_step()
 
@@ -152,6 +161,11 @@ class ShardedBuckets:
         bind(params, flat, layout)
         bucket = _Bucket(members, layout, flat, flat.new_zeros(layout.shard_numel),
                          pointers=[p.data_ptr() for p in params])
+        start = layout.shard(self.info.rank).start
+        for j, lo, hi in layout.pieces(self.info.rank):
+            piece = Piece(params[j], flat[lo:hi], lo - layout.offsets[j])
+            bucket.pieces.append((piece, bucket.grad_shard[lo - start : hi - start],
+                                  members[j]))
         if self.stage == 1:
             bucket.grads = torch.zeros_like(flat)
             bucket.views = member_views(bucket.grads, [p.shape for p in params], layout)
@@ -161,40 +175,25 @@ class ShardedBuckets:
                     p.grad = view
         return bucket
 
-    def _index(self, buckets: list[_Bucket], first: int = 0) -> None:
-        """Adopt ``buckets``, of which ``buckets[first:]`` are new: which bucket each
-        parameter is in, this rank's pieces (the old buckets' stay as they are), and the
-        send buffers (one per dtype and device, the largest bucket's size)."""
+    def _index(self, buckets: list[_Bucket]) -> None:
+        """Adopt ``buckets`` (in launch order): which bucket each parameter is in, this
+        rank's pieces, and the send buffers (one per dtype and device, the largest
+        bucket's size)."""
         self.buckets = buckets
         self._plan = [b.members for b in buckets]
         self._bucket_of = [0] * len(self.params)
-        if first == 0:
-            self.pieces: dict[int, Piece] = {}  # id(param) -> this rank's piece
-            self._piece_grads: list[tuple[Piece, torch.Tensor, int]] = []  # (piece, view, index)
-            self._send: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._send_pending: dict[tuple[torch.dtype, torch.device], _Reduction] = {}
-        rank = self.info.rank
+        self._piece_grads = [entry for b in buckets for entry in b.pieces]
+        self.pieces = {id(piece.param): piece for piece, _, _ in self._piece_grads}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for b, bucket in enumerate(buckets):
             for index in bucket.members:
                 self._bucket_of[index] = b
-            if b < first:
-                continue
-            start = bucket.layout.shard(rank).start
-            for j, lo, hi in bucket.layout.pieces(rank):
-                index = bucket.members[j]
-                p = self.params[index]
-                piece = Piece(p, bucket.params[lo:hi], lo - bucket.layout.offsets[j])
-                self.pieces[id(p)] = piece
-                self._piece_grads.append((piece, bucket.grad_shard[lo - start : hi - start],
-                                          index))
             key = self._key(bucket)
-            needs_send = (self.stage == 2 or self.comm.scratches_input
-                          or key[0] != bucket.params.dtype)
-            if needs_send and (key not in self._send
-                               or self._send[key].numel() < bucket.layout.padded):
-                self._send[key] = torch.empty(bucket.layout.padded, dtype=key[0],
-                                              device=key[1])
-        self.layout_version += 1
+            if self.stage == 2 or self.comm.scratches_input or key[0] != bucket.params.dtype:
+                sizes[key] = max(sizes.get(key, 0), bucket.layout.padded)
+        self._send = {key: torch.empty(n, dtype=key[0], device=key[1])
+                      for key, n in sizes.items()}
+        self._send_pending: dict[tuple[torch.dtype, torch.device], _Reduction] = {}
 
     def _key(self, bucket: _Bucket) -> tuple[torch.dtype, torch.device]:
         """The dtype gradients travel in, and the device."""
@@ -219,17 +218,8 @@ class ShardedBuckets:
     # ------------------------------------------------------------------ bucket order
     def _learn_order(self) -> None:
         """Rebuild the buckets along rank 0's first-gradient order (once; collective)."""
-        message = [self._observed]
-        dist.broadcast_object_list(message, src=self.info.global_ranks[0],
-                                   group=self.info.group)
-        self._observed = None
-        seen = set(message[0])
-        order = message[0] + [i for i in reversed(range(len(self.params))) if i not in seen]
-        self._order = order
-        plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, order,
-                              self.bucket_rule)
-        if plan != self._plan:
-            self._relayout(plan)
+        order = agree_on_order(self._observed, len(self.params), self.info.group)
+        self._rebuild_along(order)
 
     @property
     def learned_order(self) -> list[int] | None:
@@ -243,43 +233,54 @@ class ShardedBuckets:
         if sorted(order) != list(range(len(self.params))):
             raise ValueError(f"the gradient order must be a permutation of "
                              f"range({len(self.params)}), the parameters' numbers")
+        self._rebuild_along(list(order))
+
+    def _rebuild_along(self, order: list[int]) -> None:
+        """Buckets cut along ``order``. A bucket of the same members is kept as it is;
+        only the others are rebuilt."""
         self._observed = None
-        self._order = list(order)
-        plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, self._order,
+        self._order = order
+        plan = assign_buckets(self._infos(self.params), self.bucket_size_mb, order,
                               self.bucket_rule)
-        if plan != self._plan:
-            self._relayout(plan)
+        old = {frozenset(b.members): b for b in self.buckets}
+        kept = [old.get(frozenset(members)) for members in plan]
+        if all(bucket is not None for bucket in kept):
+            self._index(kept)  # the same buckets: a new launch order only
+        else:
+            self._relayout(plan, kept)
 
     @torch.no_grad()
-    def _relayout(self, plan: list[list[int]]) -> None:
-        """New buckets along ``plan``: the parameters and stage 1's local gradients are
-        copied over here; this step's averaged shards are all-gathered one old bucket at
-        a time and cut into the new shards (Ψ sent, once)."""
-        old = self.buckets
-        new = [self._make_bucket(members) for members in plan]
-        where = {index: (b, j) for b, bucket in enumerate(new)
+    def _relayout(self, plan: list[list[int]], kept: list[_Bucket | None]) -> None:
+        """Buckets along ``plan``, reusing ``kept`` ones. The new ones take their
+        parameters and stage 1's local gradients here; this step's averaged shards of
+        the old buckets they replace are all-gathered one at a time and cut into the new
+        shards (their size is sent once)."""
+        new = [bucket or self._make_bucket(members) for members, bucket in zip(plan, kept)]
+        where = {index: (bucket, j) for bucket, was in zip(new, kept) if was is None
                  for j, index in enumerate(bucket.members)}
         rank = self.info.rank
-        for bucket in old:
+        for bucket in self.buckets:
+            if any(bucket is k for k in kept):
+                continue
             full = bucket.params.new_empty(bucket.layout.padded)
             full[bucket.layout.shard(rank)] = bucket.grad_shard
             for work in self.comm.all_gather(full, bucket.layout):
                 work.wait()
             for index, offset, n in zip(bucket.members, bucket.layout.offsets,
                                         bucket.layout.numels):
-                b, j = where[index]
-                target = new[b]
-                mine = target.layout.shard(rank)
-                lo = max(target.layout.offsets[j], mine.start)
-                hi = min(target.layout.offsets[j] + n, mine.stop)
+                target, j = where[index]
+                mine, start = target.layout.shard(rank), target.layout.offsets[j]
+                lo, hi = max(start, mine.start), min(start + n, mine.stop)
                 if lo < hi:
-                    src = offset + lo - target.layout.offsets[j]
+                    src = offset + lo - start
                     target.grad_shard[lo - mine.start : hi - mine.start] = full[
                         src : src + hi - lo]
-        fresh = all(bucket.fresh for bucket in old)
-        for bucket in new:
-            bucket.fresh = fresh
+        fresh = all(bucket.fresh for bucket in self.buckets)
+        for bucket, was in zip(new, kept):
+            if was is None:
+                bucket.fresh = fresh
         self._index(new)
+        self.layout_version += 1
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self, first: int) -> None:

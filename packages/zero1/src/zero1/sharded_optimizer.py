@@ -1,20 +1,13 @@
 """``ShardedOptimizer``: ZeRO stages 1 and 2 around any elementwise ``torch.optim`` optimizer.
 
-Two paths:
-
-* ``reduce_gradients=True`` (the default): the optimizer averages the gradients itself,
-  by reduce-scatters in flat buckets during backward, steps its equal shard of every
-  bucket and all-gathers the parameters: 2Ψ per step, as much as DDP's all-reduce
-  (:mod:`zero1.buckets`). Stage 2 also keeps only the shard of the gradients.
-* ``reduce_gradients=False``: a DDP wrapper has averaged the gradients; each rank steps
-  the whole parameters it owns and broadcasts them (:mod:`zero1.exchange`): 3Ψ with
-  the wrapper's all-reduce, PyTorch's ``ZeroRedundancyOptimizer`` pattern.
+``reduce_gradients=True`` (the default) averages the gradients itself in flat buckets
+(:mod:`zero1.buckets`): 2Ψ per step. ``reduce_gradients=False`` steps whole parameters
+after a DDP wrapper's all-reduce and broadcasts them (:mod:`zero1.exchange`): 3Ψ.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -137,89 +130,20 @@ def _size(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-_IMPLEMENTATION_KEYS = ("foreach", "fused", "differentiable")
-
-
-def _local_choices(optimizer_cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Implementation options the local optimizer's groups may get on top of the user's.
-
-    ``foreach=True`` when the class takes it and the user chose no implementation
-    (``foreach``, ``fused``) and no ``differentiable`` step: PyTorch's own default picks
-    foreach kernels on CUDA only, which leaves a Python loop over parameters on the CPU.
-    The result is the same arithmetic; only the loop goes. Only groups where it pays get
-    it (:func:`foreach_pays`), and not a group that names one of these options itself
-    (see :func:`_choices_for`).
-
-    Returns:
-        ``{option: value}`` for the local optimizer (empty when nothing is chosen).
-    """
-    try:
-        accepted = inspect.signature(optimizer_cls.__init__).parameters
-    except (TypeError, ValueError):
-        return {}
-    if "foreach" not in accepted:
-        return {}
-    if any(defaults.get(k) for k in _IMPLEMENTATION_KEYS) or defaults.get("foreach") is not None:
-        return {}
-    return {"foreach": True}
-
-
-# Foreach kernels only pay on the CPU where tensors are small, or all of them fit in cache.
-# A foreach step runs each of the optimizer's operations over every tensor before the next
-# (one pass over all of them per operation), where the per-tensor loop runs every operation
-# on one tensor while it is in cache; the loop pays Python per tensor instead. AdamW on a
-# shared 2-core CPU (1 MiB L2 per core, 32 MiB L3), one thread, float32, foreach time ÷
-# loop time. By elements per tensor, 8M elements in all: 1,024: 0.67; 2,048: 0.83; 4,096:
-# 0.81; 8,192: 1.05; 16,384: 1.24; 65,536: 1.32. By elements in all, 16,384 per tensor:
-# 0.5M: 0.84; 1M: 1.30; 2M: 1.12; 4M: 1.37. Half of the trainer's `small` model (44
-# tensors, 57M elements) steps 1.18x slower with foreach; half of `tiny` (13 tensors,
-# 0.39M elements) 0.91x.
-FOREACH_MAX_MEAN_NUMEL = 4096
-FOREACH_MAX_TOTAL_NUMEL = 1 << 19
-
-
-def foreach_pays(params: list[torch.Tensor]) -> bool:
-    """Whether a local group of ``params`` steps faster with foreach kernels than with the
-    per-tensor loop: they average at most ``FOREACH_MAX_MEAN_NUMEL`` elements, or hold at
-    most ``FOREACH_MAX_TOTAL_NUMEL`` in all (so an empty group does too)."""
-    total = sum(p.numel() for p in params)
-    return total <= FOREACH_MAX_TOTAL_NUMEL or total <= FOREACH_MAX_MEAN_NUMEL * len(params)
-
-
-def _choices_for(group: dict[str, Any], choices: dict[str, Any],
-                 pays: bool) -> dict[str, Any]:
-    """``choices`` for one group where foreach ``pays`` (``foreach_pays`` of its local
-    tensors), unless the group picks an implementation itself (a ``foreach`` that is not
-    None, ``fused`` or ``differentiable``); else nothing, and PyTorch's default applies."""
-    if not pays:
-        return {}
-    if group.get("foreach") is not None or group.get("fused") or group.get("differentiable"):
-        return {}
-    return choices
-
-
 class ShardedOptimizer(Optimizer):
     """Shards the state of ``optimizer_cls`` over the ranks of a process group (ZeRO).
 
-    With ``reduce_gradients=True`` (default) the optimizer also averages the gradients:
-    do not wrap the model in a DDP wrapper. It hooks every trainable parameter,
-    reduce-scatters the gradients in flat buckets while backward runs, and ``step``
-    steps this rank's equal shard of each bucket, then all-gathers the parameters.
-    After backward, a parameter's ``.grad`` is *not* the average: stage 1 leaves this
-    rank's local gradient there, stage 2 leaves None (its gradient is sent and
-    dropped). Clip with :meth:`clip_grad_norm_`, not ``torch.nn.utils``.
+    With ``reduce_gradients=True`` (default) it also averages the gradients (no DDP
+    wrapper): reduce-scattered in flat buckets during backward, each rank steps its
+    shard, then the parameters are all-gathered. ``.grad`` is then *not* the average
+    (stage 1: the local gradient; stage 2: None): clip with :meth:`clip_grad_norm_`.
+    With ``reduce_gradients=False`` (stage 1) a DDP wrapper averages, and each rank
+    steps and broadcasts the whole parameters it owns.
 
-    With ``reduce_gradients=False`` (stage 1 only) a DDP wrapper averages the
-    gradients; each rank owns whole parameters (largest first onto the least-loaded
-    rank) and broadcasts them after its step.
-
-    ``param_groups`` lists *all* parameters with their hyperparameters, as in a plain
-    optimizer; edits to it (LR schedulers) are copied to the local optimizer before
-    each step. ``state`` is the local optimizer's state: this rank's shard only.
-    Construction, ``step``, ``clip_grad_norm_``, ``add_param_group`` and
-    ``consolidate_state_dict`` are collectives: call them on every rank in the same
-    order. Without an initialised ``torch.distributed`` the optimizer runs as a single
-    rank, and then it is the plain optimizer.
+    ``param_groups`` lists every parameter, as in a plain optimizer (schedulers edit it);
+    ``state`` is this rank's shard. Construction, ``step``, ``clip_grad_norm_``,
+    ``add_param_group`` and ``consolidate_state_dict`` are collectives. Without an
+    initialised ``torch.distributed`` it is the plain optimizer.
 
     Args:
         params: an iterable of tensors or of param-group dicts (not a bare tensor).
@@ -234,9 +158,8 @@ class ShardedOptimizer(Optimizer):
             "at_most" (none passes it); minddp's rules.
         reduce_dtype: the dtype gradients travel and are averaged in (e.g.
             ``torch.bfloat16``); None: their own.
-        collectives: how buckets travel: "tensor" (a reduce-scatter and an all-gather
-            each), "rooted" (a reduce to and a broadcast from each owner: the same bytes,
-            faster on Gloo) or "auto" (rooted on Gloo, tensor elsewhere).
+        collectives: "tensor" (a reduce-scatter and an all-gather per bucket), "rooted"
+            (:mod:`zero1.rooted`, for Gloo) or "auto" (rooted on Gloo).
         process_group: the group to shard over; the default group when None.
         **defaults: passed to ``optimizer_cls`` (lr, betas, momentum, ...).
     """
@@ -306,26 +229,16 @@ class ShardedOptimizer(Optimizer):
         # Per group, this rank's pieces: (position in the group, piece).
         self._pieces: list[list[tuple[int, Piece]]] = self._shard(groups)
 
-        # Options we choose for the local optimizer's groups stay out of our own groups and
-        # state dicts, which keep what a plain optimizer with the user's arguments shows.
-        self._local_choices = _local_choices(optimizer_cls, defaults)
-        self._public_values = {k: defaults.get(k) for k in self._local_choices}
-        self._foreach_pays: list[bool] = []  # per group, foreach_pays of its local tensors
-        local_groups = []
-        for group, pieces in zip(groups, self._pieces):
-            mine = [piece.local for _, piece in pieces]
-            self._foreach_pays.append(foreach_pays(mine))
-            local_groups.append({**hyperparameters(group),
-                                 **_choices_for(group, self._local_choices,
-                                                self._foreach_pays[-1]),
-                                 "params": mine})
+        local_groups = [{**hyperparameters(group),
+                         "params": [piece.local for _, piece in pieces]}
+                        for group, pieces in zip(groups, self._pieces)]
         # An optimizer accepts empty groups, so a rank owning nothing still keeps one
         # local group per global group and the two lists stay aligned.
         self._local = optimizer_cls(local_groups, **defaults)
 
         # Our groups take the local optimizer's filled-in hyperparameters, so both agree.
         full_groups = [
-            {**self._public(local, group), "params": group["params"]}
+            {**hyperparameters(local), "params": group["params"]}
             for local, group in zip(self._local.param_groups, groups)
         ]
         self._constructing = True
@@ -449,7 +362,6 @@ class ShardedOptimizer(Optimizer):
         self._pieces = self._bucket_pieces(self.param_groups)
         for local, pieces in zip(self._local.param_groups, self._pieces):
             local["params"] = [piece.local for _, piece in pieces]
-        self._foreach_pays = [foreach_pays(g["params"]) for g in self._local.param_groups]
         self._local.state.clear()
         if any(shards):
             params = [p for g in self.param_groups for p in g["params"]]
@@ -488,19 +400,15 @@ class ShardedOptimizer(Optimizer):
         loads_before, owners_before = list(self._loads), len(self._owners)
         pieces = self._shard([group])[0]
         mine = [piece.local for _, piece in pieces]
-        pays = foreach_pays(mine)
         try:
-            self._local.add_param_group({**hyperparameters(group),
-                                         **_choices_for(group, self._local_choices, pays),
-                                         "params": mine})
+            self._local.add_param_group({**hyperparameters(group), "params": mine})
         except BaseException:
             self._loads = loads_before  # the broadcast path's partition, as it was
             del self._owners[owners_before:]
             raise
         self._pieces.append(pieces)
-        self._foreach_pays.append(pays)
         local = self._local.param_groups[-1]
-        super().add_param_group({**self._public(local, group), "params": group["params"]})
+        super().add_param_group({**hyperparameters(local), "params": group["params"]})
         self._consolidated_state = None
         self._rebuild_exchange()
 
@@ -573,29 +481,10 @@ class ShardedOptimizer(Optimizer):
             self._buckets.zero_grad()
 
     # ------------------------------------------------------------------ stepping
-    def _public(self, local_group: dict[str, Any], user_group: dict[str, Any]) -> dict[str, Any]:
-        """A local group's hyperparameters with our implementation choices undone: an
-        option the user's group names keeps that value, others show the user's default."""
-        out = hyperparameters(local_group)
-        for key, default in self._public_values.items():
-            out[key] = user_group.get(key, default)
-        return out
-
     def _push_hyperparameters(self) -> None:
-        """Copy hyperparameters from our groups (where schedulers edit them) to the shard.
-
-        An option we chose for the shard keeps our value while the group shows the
-        user's default, and follows the group once it is edited (``group["foreach"] =
-        False``).
-        """
-        public = self._public_values
-        for group, local, pays in zip(self.param_groups, self._local.param_groups,
-                                      self._foreach_pays):
-            chosen = _choices_for(group, self._local_choices, pays)
-            for key, value in group.items():
-                if key in PARAM_KEYS:
-                    continue
-                local[key] = chosen[key] if key in chosen and value == public[key] else value
+        """Copy hyperparameters from our groups (where schedulers edit them) to the shard."""
+        for group, local in zip(self.param_groups, self._local.param_groups):
+            local.update({k: v for k, v in group.items() if k not in PARAM_KEYS})
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then give every rank the updated parameters.

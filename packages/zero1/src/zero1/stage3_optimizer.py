@@ -258,6 +258,13 @@ class Stage3Optimizer(Optimizer):
             start += len(group["params"])
         return out
 
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: ``piece.local``
+        is this rank's shard of the flattened ``piece.param`` from ``piece.start`` (its
+        values, and the key of the local optimizer's state): what a checkpoint that never
+        gathers writes and reads."""
+        return self._numbered_pieces()
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state onto rank ``to`` (collective; tensors on the CPU);
         then ``state_dict()`` there returns the full state until the next step."""
