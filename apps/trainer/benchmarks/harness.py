@@ -1,5 +1,5 @@
 """What the trainer's benchmark scripts share: their common options, the model and batches
-they measure on, the trainer's own set-up and step (``train.train_step``, timed at named
+they measure on, the trainer's own set-up and step (``step.train_step``, timed at named
 points), N local ranks measuring variants in interleaved rounds, and where the rows go.
 
 Every script steps the trainer's AdamW (decay and no-decay groups, the default betas and
@@ -45,8 +45,8 @@ from lab2_trainer.config import (
 )
 from lab2_trainer.parallel import Parallel, build_optimizer, fused_adamw_available, parallelize
 from lab2_trainer.report import device_label, device_peak
-from lab2_trainer.train import backward_thread as backward_on
-from lab2_trainer.train import train_step
+from lab2_trainer.step import backward_thread as backward_on
+from lab2_trainer.step import train_step
 
 #: The micro model of ``--quick`` runs.
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)
@@ -69,6 +69,8 @@ SHARDINGS: dict[str, tuple[str, str, bool]] = {
     "zero2": ("zero2", "none", True),
     "zero1-allreduce": ("zero1-allreduce", "torch", True),
     "torch_zero": ("torch", "torch", True),
+    "zero3": ("zero3", "none", True),
+    "zero3-keep": ("zero3", "none", False),
     "fsdp": ("fsdp", "none", True),
     "fsdp-keep": ("fsdp", "none", False),
 }
@@ -256,7 +258,7 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
               backward_thread: str = "caller") -> Callable[[], Any]:
     """One unit of work on ``batch``: "forward" (loss included, autograd recording),
     "forward_backward" (gradients set to None first) or "train_step": the trainer's step
-    (:func:`lab2_trainer.train.train_step`, clipping at the trainer's default included;
+    (:func:`lab2_trainer.step.train_step`, clipping at the trainer's default included;
     fp16 with a gradient scaler on CUDA) of ``model`` and ``optimizer`` on one process."""
     idx, tgt = batch
 
@@ -299,7 +301,7 @@ def mfu_note(device: str) -> str:
 
 def step_marks(p: Parallel, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
                device: torch.device, backward_thread: str = "caller") -> Callable[[], dict]:
-    """One training step of ``p`` (the trainer's :func:`lab2_trainer.train.train_step`,
+    """One training step of ``p`` (the trainer's :func:`lab2_trainer.step.train_step`,
     clipping included) marked at every point of :data:`POINTS`: CUDA events on the compute
     stream on GPU (nothing inside the step synchronises), wall time on the CPU. Returns a
     function that reads the marks later: seconds from the start to each point."""

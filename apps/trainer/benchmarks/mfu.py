@@ -11,7 +11,8 @@ A configuration is ``preset:BATCHxCONTEXT[:eager|compiled][:none|full|selective]
 compiled, no activation checkpointing). Each builds the trainer's model and sets it up as the
 trainer does (``harness.setup``) with ``--stack``: ``ours`` (tritonnorm + zero1's
 ShardedOptimizer stage 1, the trainer's default), ``ours-zero2``, ``ours-allreduce``
-(DDPBucketed 25 MB + ShardedOptimizer broadcasting), ``torch`` (``nn.RMSNorm`` +
+(DDPBucketed 25 MB + ShardedOptimizer broadcasting), ``ours-zero3`` (zero1's stage 3),
+``ours-fsdp`` (FSDP2), ``torch`` (``nn.RMSNorm`` +
 DistributedDataParallel + ZeroRedundancyOptimizer) or ``none`` (no wrapper, plain AdamW), on
 a one-rank group, bf16 autocast, fused AdamW. After ``--warmup`` steps (compilation,
 AdamW's state) it times ``--windows`` windows of ``--steps`` back-to-back steps between CUDA
@@ -52,6 +53,8 @@ STACKS = {  # norm (None: the preset's), the trainer's --ddp and --sharding
     "ours": ("tritonnorm", "none", "zero1"),
     "ours-zero2": ("tritonnorm", "none", "zero2"),
     "ours-allreduce": ("tritonnorm", "bucketed", "zero1-allreduce"),
+    "ours-zero3": ("tritonnorm", "none", "zero3"),
+    "ours-fsdp": ("tritonnorm", "none", "fsdp"),
     "torch": ("torch", "torch", "torch"),
     "none": (None, "none", "none"),
 }

@@ -102,7 +102,13 @@ def _rank_bytes(rank, world_size, sharding):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
-    if sharding == "fsdp":
+    if sharding == "zero3":  # the parameters keep their shapes but hold no storage
+        from zero1 import optimizer_state_bytes, sharding_of
+
+        params = sharding_of(model).shard_bytes()
+        grads = par.optimizer.gradient_bytes()
+        state = optimizer_state_bytes(par.optimizer)
+    elif sharding == "fsdp":
         params = sum(local(p) for p in model.parameters())
         grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
         state = sum(local(t) for s in par.optimizer.state.values() for t in s.values()
@@ -114,7 +120,7 @@ def _rank_bytes(rank, world_size, sharding):
     return n, params, grads, state
 
 
-@pytest.mark.parametrize("sharding", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3", "fsdp"])
 def test_bytes_per_rank_match_the_sharded_kinds(world_size, sharding):
     for n, params, grads, state in run_ranks(_rank_bytes, world_size, sharding, timeout=240):
         parts = training_state_parts(n, sharding, world_size)
@@ -331,7 +337,7 @@ def test_plan_command_prints_a_table_and_json(capsys):
     (["--n-heads", "5"], "does not divide d_model"),
     (["--efficiency", "1.5"], "--efficiency must be in (0, 1]"),
     (["--nvlink-gbs", "nan"], "--nvlink-gbs must be a finite number"),
-    (["--sharding", "zero3"], "invalid choice"),
+    (["--sharding", "zero4"], "invalid choice"),
     (["--plot", "/nonexistent-folder/plan.png"], "is not a folder"),
     (["--sharding", "zero2", "--ddp", "bucketed"], "averages gradients itself"),
 ])

@@ -9,7 +9,10 @@ Memory, per GPU, item by item (:func:`memory_items`):
   :func:`lab2_trainer.shapes.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
-  fsdp the gathered weights of the block running and the one prefetched; PyTorch's
+  fsdp the gathered weights of the block running and the one prefetched; zero3
+  (:func:`zero3_buffers`) the root unit's gathered weights and its full gradient, the
+  blocks in flight, one block's gradient before it is packed and the send buffers of
+  two reductions (full gradients of every parameter with accumulation); PyTorch's
   DistributedDataParallel its bucket copy of the gradients (DDPBucketed's flat buckets are
   the gradients themselves: the ``.grad`` are views of them); with one rank, zero1's
   ShardedOptimizer is the plain optimizer and holds nothing more;
@@ -115,7 +118,7 @@ class PlanInput:
             default, bucketed with more than one rank and a kind that takes one, else none).
         activation_checkpointing: "none", "full" or "selective".
         compile: whether the model is compiled (what the backward keeps differs).
-        reshard_after_forward: fsdp's.
+        reshard_after_forward: zero3's and fsdp's.
         bucket_mb: the gradient buckets (DDPBucketed, zero1, zero2), MiB.
     """
 
@@ -266,6 +269,8 @@ def memory_items(p: PlanInput) -> dict[str, float]:
         buffers = min(bucket, 4 * n)
     elif p.sharding == "fsdp":
         buffers = 2 * 4 * counts["block"] if p.reshard_after_forward else 0.0
+    elif p.sharding == "zero3":
+        buffers = zero3_buffers(p)
     elif p.ddp == "torch":  # DistributedDataParallel's bucket copy of the gradients
         buffers = 4 * n
     # Gradients that outlive the step: zero1 stage 1's full buffer (more than one rank),
@@ -314,6 +319,34 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     items["counted_activations"] = float(counted_acts)
     items["reserved"] = peak * (1 + hw.fragmentation)
     return items
+
+
+def zero3_buffers(p: PlanInput) -> float:
+    """Bytes zero1's stage 3 holds beyond the shards (fp32, every unit a block but the root:
+    embeddings, head, final norm), at the start of the backward where activations peak:
+
+    * the root's full gradient (4 bytes a root parameter): the LM head's arrives first,
+      the embedding's last, and the root is packed once both are in;
+    * the gradient of the block whose backward runs, before it is packed (4 a block
+      parameter), and, on more than one rank, the send buffers of the two reductions
+      kept in flight (4 each);
+    * on more than one rank, the root's gathered weights, kept from the forward to the
+      backward (4 a root parameter), and with ``reshard_after_forward`` the block
+      running and the one prefetched (4 each; without it every block stays gathered,
+      which the parameters item counts); one rank's shard is its full buffer;
+    * with accumulation, ``no_sync``'s full gradient of every parameter (4 each).
+    """
+    counts = parameter_counts(p.model)
+    root = counts["embeddings"] + counts["head"] + counts["norms"]
+    block = counts["block"]
+    held = 4 * root + 4 * block
+    if p.world_size > 1:
+        held += 2 * 4 * block + 4 * root
+        if p.reshard_after_forward:
+            held += 2 * 4 * block
+    if p.grad_accum > 1:
+        held += 4 * counts["total"]
+    return float(held)
 
 
 def fits(p: PlanInput, items: dict[str, float] | None = None) -> bool:
@@ -387,6 +420,16 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             add("backward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
                 "backward")
         add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
+    if s == "zero3":
+        blocks = c.n_layers + 1
+        gathers = p.grad_accum  # no_sync still gathers every micro-batch
+        add("forward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
+            "forward")
+        if p.reshard_after_forward:  # the root stays gathered from forward to backward
+            blocks_bytes = 4.0 * parameter_counts(c)["blocks"]
+            add("backward all-gather", "all-gather", gathers * blocks_bytes,
+                gathers * c.n_layers, "backward")
+        add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
     budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap}
     exposed = 0.0
     for name, comm in comms.items():
@@ -396,7 +439,8 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             comm["exposed"] = t
         else:
             # The last call (bucket or block) has nothing left to hide behind.
-            calls = buckets if "reduce" in name or s != "fsdp" else c.n_layers + 1
+            calls = (buckets if s not in ("fsdp", "zero3") or ("reduce" in name and s == "fsdp")
+                     else c.n_layers + 1)
             last = t / max(1, calls)
             hidden = min(t - last, budget[where])
             budget[where] -= hidden

@@ -1,33 +1,13 @@
-"""The training loop, run by every rank, with its learning-rate schedule and the choice of
-the thread that runs backward.
-
-Per step: the learning rate from the schedule (:class:`WarmupCosine`: linear warm-up, then
-cosine decay to a floor); this rank's micro-batches of the global batch; forward and
-backward under autocast, inside ``no_sync`` for all micro-batches but the last; gradient
-averaging; clipping by the global norm of the averaged gradients; the optimizer step. What
-wraps the model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up by
-:func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
-``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
-zero1, zero2 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
-from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
-equal slice, and the averaging across ranks then gives the mean over the global batch: the
-same as one process on the whole batch.
+"""The training loop, run by every rank: :class:`Trainer`, which calls
+:func:`lab2_trainer.step.train_step` once a step, and its learning-rate schedule
+(:class:`WarmupCosine`: linear warm-up, then cosine decay to a floor).
 
 Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
 fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
 and the next batch is drawn and copied asynchronously while the current step runs
 (:class:`lab2_trainer.data.Prefetcher`). Per-step records are written at those fetches;
 their ``step_seconds`` is the mean of the steps since the previous fetch.
-
-Which thread runs ``backward()`` (:func:`backward_thread`): by default autograd runs the
-backward of CUDA tensors on a worker thread per device while the calling thread waits. A
-rank of this trainer drives one device, so the worker gains nothing; and Python code inside
-backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
-hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
-state, after a hand-over each way. The trainer therefore runs backward on the caller
-(the measurement: the README's ``--backward-thread`` section links the record).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +15,6 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +30,6 @@ from lab2_trainer.checkpoint_folders import load_trainer_state, trainer_state
 from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
 from lab2_trainer.checkpoint_writer import Checkpointer
 from lab2_trainer.config import (
-    BACKWARD_THREADS,
-    PRECISIONS,
     TrainSettings,
     UsageError,
     flag,
@@ -67,7 +44,7 @@ from lab2_trainer.data import (
 )
 from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
-from lab2_trainer.parallel import Parallel, fused_adamw_available, parallelize
+from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
@@ -84,6 +61,7 @@ from lab2_trainer.report import (
 from lab2_trainer.run_folder import atomic_write_text
 from lab2_trainer.shapes import training_flops_per_token
 from lab2_trainer.sharded_checkpoint import load_folder
+from lab2_trainer.step import autocast_context, set_lr, train_step
 from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
 
 
@@ -137,38 +115,9 @@ class WarmupCosine:
         return cls(**state)
 
 
-def set_lr(optimizer, lr: float) -> None:
-    """Write ``lr`` into every param group (sharded optimizers pass it on at ``step``)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-# --------------------------------------------------------------------- backward thread
-def backward_thread(kind: str) -> AbstractContextManager:
-    """A context under which ``backward()`` runs on the thread ``kind`` names: "caller"
-    (the thread that calls it) or "autograd" (PyTorch's device worker, its default).
-    Affects the current thread only."""
-    if kind not in BACKWARD_THREADS:
-        raise ValueError(f"backward_thread must be one of {', '.join(BACKWARD_THREADS)}, "
-                         f"got {kind!r}")
-    return torch.autograd.set_multithreading_enabled(kind == "autograd")
-
-
-# The step's own name for it (its argument ``backward_thread`` is the kind).
-backward_thread_context = backward_thread
-
-
 # ----------------------------------------------------------------------- training loop
 # Offset between the training and validation samplers' seeds.
 VAL_SEED_OFFSET = 1_000_003
-
-
-def autocast_context(precision: str, device: torch.device):
-    """Autocast for bf16/fp16 on the rank's device; nothing for fp32 (``PRECISIONS``)."""
-    dtype_name = PRECISIONS[precision]
-    if dtype_name is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, dtype_name))
 
 
 def all_mean(value: torch.Tensor) -> float:
@@ -212,60 +161,6 @@ def evaluate(model: torch.nn.Module, sampler: BatchSampler, n_batches: int, ctx:
         total += loss.float()
     model.train(was_training)
     return all_mean(total / n_batches)
-
-
-def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               *, precision: str, device: torch.device, clip: float,
-               scaler: torch.amp.GradScaler | None = None, backward_thread: str = "caller",
-               mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step of ``parallel`` on this rank's ``micro_batches``: the trainer's
-    step, and the one the benchmarks time.
-
-    Forward under autocast and backward per micro-batch (all but the last inside
-    ``no_sync``), the gradient averaging (``finish``), clipping by the global norm of the
-    averaged gradients, the optimizer step (through ``scaler`` for fp16), and the
-    gradients set to None.
-
-    Args:
-        clip: the global norm to clip to (0: none, the norm is still measured).
-        mark: called with "forward", "backward", "sync" and "optimizer" as each part ends
-            (a benchmark's marks; the first two once per micro-batch).
-
-    Returns:
-        (this rank's mean loss, the gradient norm before clipping), tensors on the device.
-    """
-    optimizer = parallel.optimizer
-    loss_sum = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else parallel.no_sync():
-            with autocast_context(precision, device):
-                _, loss = parallel(x, y)
-            if mark is not None:
-                mark("forward")
-            scaled = loss / len(micro_batches)
-            if scaler is not None:
-                scaled = scaler.scale(scaled)
-            with backward_thread_context(backward_thread):
-                scaled.backward()
-            if mark is not None:
-                mark("backward")
-        loss_sum += loss.detach()
-    parallel.finish()
-    if mark is not None:
-        mark("sync")
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    grad_norm = parallel.clip_grad_norm_(clip if clip > 0 else math.inf)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    if mark is not None:
-        mark("optimizer")
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum / len(micro_batches), grad_norm
 
 
 def _with_active_clock(run: Callable[..., Any]) -> Callable[..., Any]:
@@ -442,7 +337,7 @@ class Trainer:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
                 if evaluate_now:
-                    with clock.phase("evaluation"):
+                    with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
                                             ctx, s.precision)
                     records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
@@ -456,7 +351,7 @@ class Trainer:
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
-                with clock.phase("evaluation"):
+                with clock.phase("evaluation", carve_compilation=True):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
             # The end of the run waits for the save in flight: a stall too.
@@ -489,7 +384,7 @@ class Trainer:
             "checkpoint_stalls": self.checkpointer.stalls,
             "checkpoint_final_wait_s": self.checkpointer.final_wait,
         }
-        # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
+        # A collective with zero3 and fsdp (the whole model is gathered onto rank 0).
         with clock.phase("sampling"):
             sample_model = self.sampling_model() if s.sample_tokens else None
         # Rank 0's work alone: the others wait without --timeout bounding a long sample.
@@ -596,6 +491,8 @@ class Trainer:
                "zero2": f"zero1.ShardedOptimizer(stage 2, reduce-scatter, {buckets}, {adamw})",
                "zero1-allreduce": f"zero1.ShardedOptimizer(stage 1, broadcast, {adamw})",
                "torch": f"ZeroRedundancyOptimizer({adamw})",
+               "zero3": f"zero1.shard_model(reshard_after_forward={s.reshard_after_forward}) "
+                        f"+ zero1.Stage3Optimizer({adamw})",
                "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
                        f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
@@ -641,10 +538,10 @@ class Trainer:
         )
 
     def sampling_model(self) -> TransformerLM | None:
-        """The model to sample from on rank 0: the trained one itself, or with fsdp (whose
-        parameters are shards) an unsharded copy built from the gathered state dict. A
-        collective with fsdp; None on the other ranks there."""
-        if self.parallel.sharding != "fsdp":
+        """The model to sample from on rank 0: the trained one itself, or with zero3 and
+        fsdp (whose parameters are shards) an unsharded copy built from the gathered state
+        dict. A collective with those; None on the other ranks there."""
+        if self.parallel.sharding not in ("zero3", "fsdp"):
             return self.model
         state = self.parallel.full_model_state(self.ctx.rank)
         if state is None:
