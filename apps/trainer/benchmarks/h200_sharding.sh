@@ -14,6 +14,10 @@ $py "$here/stack.py" $C --preset medium --batch-size 8 --warmup 3 --steps 15 --r
 $py "$here/zero.py" $C --preset medium --batch-size 8 --warmup 1 --steps 5 --rounds 1 \
     --out "$out/zero-medium" 2>&1 | grep -v "^  \[rank"
 # Compiled, xl, 32 x 512: the trainer's default stack and the earlier all-reduce pairing.
-for stack in ours ours-allreduce; do
+for stack in ours ours-allreduce ours-zero3 ours-fsdp; do
     $py "$here/mfu.py" --configs xl:32x512 --stack $stack
 done
+# Compiled, xl, 32 x 512: zero3 beside FSDP2 in one run, interleaved (MFU per variant).
+$py "$here/stack.py" --device cuda --world-size 1 --precision bf16 --preset xl \
+    --batch-size 32 --context-length 512 --compile --variants ours-zero3,ours-fsdp \
+    --warmup 3 --steps 10 --rounds 3 --out "$out/stack-xl-zero3" 2>&1 | grep -v "^  \[rank"

@@ -69,6 +69,8 @@ SHARDINGS: dict[str, tuple[str, str, bool]] = {
     "zero2": ("zero2", "none", True),
     "zero1-allreduce": ("zero1-allreduce", "torch", True),
     "torch_zero": ("torch", "torch", True),
+    "zero3": ("zero3", "none", True),
+    "zero3-keep": ("zero3", "none", False),
     "fsdp": ("fsdp", "none", True),
     "fsdp-keep": ("fsdp", "none", False),
 }

@@ -3,10 +3,14 @@
     python apps/trainer/benchmarks/stack.py --quick
     python apps/trainer/benchmarks/stack.py --device cuda --world-size 1 --precision bf16 \\
         --preset small,medium --batch-size 8 --context-length 512 [--compile]
+    python apps/trainer/benchmarks/stack.py --device cuda --world-size 1 --precision bf16 \
+        --preset xl --batch-size 32 --context-length 512 --compile \
+        --variants ours-zero3,ours-fsdp     # zero3 beside FSDP2, interleaved
 
 Stacks (norm layer, ``harness.SHARDINGS`` kind, DDP wrapper): ``ours`` (tritonnorm +
 ``--sharding zero1``, the trainer's default on several ranks), ``ours-zero2``,
-``ours-allreduce`` (DDPBucketed + ShardedOptimizer broadcasting its shards), ``ours-fsdp``,
+``ours-allreduce`` (DDPBucketed + ShardedOptimizer broadcasting its shards), ``ours-zero3``
+(zero1's stage 3, ``reshard_after_forward`` True), ``ours-fsdp``,
 ``pytorch`` (``nn.RMSNorm`` + DistributedDataParallel + ZeroRedundancyOptimizer),
 ``pytorch-fsdp`` and ``pytorch-fsdp-keep`` (FSDP2, ``reshard_after_forward`` True / False).
 Each is set up by the trainer's ``parallelize``; with ``--compile`` every model is compiled as
@@ -28,6 +32,7 @@ STACKS: dict[str, tuple[str, str, str | None]] = {
     "ours": ("ours", "zero1", None),
     "ours-zero2": ("ours", "zero2", None),
     "ours-allreduce": ("ours", "zero1-allreduce", "bucketed"),
+    "ours-zero3": ("ours", "zero3", None),
     "ours-fsdp": ("ours", "fsdp", None),
     "pytorch": ("pytorch", "torch_zero", "torch"),
     "pytorch-fsdp": ("pytorch", "fsdp", None),

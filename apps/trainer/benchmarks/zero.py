@@ -8,8 +8,9 @@ memory, bytes sent and step time.
 Variants (``harness.SHARDINGS``), each set up by the trainer's ``parallelize``: ``adamw``
 (PyTorch DDP + unsharded AdamW), ``zero1`` / ``zero2`` (``zero1.ShardedOptimizer`` stage 1 /
 2), ``zero1-allreduce`` (PyTorch DDP, then ``ShardedOptimizer`` broadcasts its shards),
-``torch_zero`` (PyTorch DDP + ``ZeroRedundancyOptimizer``), ``fsdp`` / ``fsdp-keep`` (FSDP2,
-``reshard_after_forward`` True / False).
+``torch_zero`` (PyTorch DDP + ``ZeroRedundancyOptimizer``), ``zero3`` / ``zero3-keep``
+(``zero1.shard_model`` + ``Stage3Optimizer``) and ``fsdp`` / ``fsdp-keep`` (FSDP2), each with
+``reshard_after_forward`` True / False.
 
 On each variant's first step: the peak of set-up, of forward+backward and of the step
 (``lab2bench.peak_memory``; on the CPU the sampled resident set, whose ``*_increase_MiB`` is

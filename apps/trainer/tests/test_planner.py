@@ -102,7 +102,13 @@ def _rank_bytes(rank, world_size, sharding):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
 
-    if sharding == "fsdp":
+    if sharding == "zero3":  # the parameters keep their shapes but hold no storage
+        from zero1 import optimizer_state_bytes, sharding_of
+
+        params = sharding_of(model).shard_bytes()
+        grads = par.optimizer.gradient_bytes()
+        state = optimizer_state_bytes(par.optimizer)
+    elif sharding == "fsdp":
         params = sum(local(p) for p in model.parameters())
         grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
         state = sum(local(t) for s in par.optimizer.state.values() for t in s.values()
@@ -114,7 +120,7 @@ def _rank_bytes(rank, world_size, sharding):
     return n, params, grads, state
 
 
-@pytest.mark.parametrize("sharding", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3", "fsdp"])
 def test_bytes_per_rank_match_the_sharded_kinds(world_size, sharding):
     for n, params, grads, state in run_ranks(_rank_bytes, world_size, sharding, timeout=240):
         parts = training_state_parts(n, sharding, world_size)
@@ -202,14 +208,33 @@ def per_token(measure, c_small: ModelConfig, c_big: ModelConfig) -> tuple[float,
     return layer, small / tokens - c_small.n_layers * layer
 
 
+#: The README's claims on the activation formulas, as bounds on predicted ÷ measured − 1
+#: (low, high): exact is within half a percent (the measurement's rounding of one
+#: storage); LayerNorm and nn.RMSNorm keep a little more than counted (bf16: −4.8% and
+#: −3.9%; fp32: −0.3% and −0.1%); outside the blocks the final norm and loss within 2%
+#: below; with full checkpointing the total is over by up to 11% at these toy sizes (fp32;
+#: 6% in bf16), where the part outside the blocks weighs most.
+EXACT = (-0.005, 0.005)
+BLOCK_CLAIM = {"tritonnorm": EXACT, "layernorm": (-0.05, 0.005), "torch": (-0.05, 0.005)}
+OUTSIDE_CLAIM = (-0.02, 0.005)
+TOTAL_CLAIM = {"none": EXACT, "selective": EXACT, "full": (-0.005, 0.11)}
+
+
+def within(predicted: float, measured: float, bounds: tuple[float, float]) -> bool:
+    low, high = bounds
+    return low <= predicted / measured - 1 <= high
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kw", [{}, {"ffn": "gelu"}, {"norm": "layernorm"},
                                 {"norm": "torch"}])
 def test_saved_activations_per_layer_are_the_planners(precision, kw):
     c2, c3 = config(2, **kw), config(3, **kw)
     layer, rest = per_token(lambda c, b: saved_bytes(c, precision, b), c2, c3)
-    assert close(layer, layer_activation_bytes(c2, precision, "none")), layer
-    assert close(rest, final_activation_bytes(c2, precision)), rest
+    predicted = layer_activation_bytes(c2, precision, "none")
+    assert within(predicted, layer, BLOCK_CLAIM[c2.norm]), (predicted / layer - 1)
+    predicted = final_activation_bytes(c2, precision)
+    assert within(predicted, rest, OUTSIDE_CLAIM), (predicted / rest - 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -218,9 +243,10 @@ def test_activations_kept_with_checkpointing_are_the_planners(precision, kind):
     c2, c3 = config(2), config(3)
     layer, rest = per_token(lambda c, b: live_bytes(c, precision, b, kind), c2, c3)
     want = layer_activation_bytes(c2, precision, kind)
-    assert close(layer, want), (layer, want)
+    assert within(want, layer, EXACT), (want / layer - 1)
     total = 2 * layer + rest
-    assert close(total, 2 * want + final_activation_bytes(c2, precision)), total
+    predicted = 2 * want + final_activation_bytes(c2, precision)
+    assert within(predicted, total, TOTAL_CLAIM[kind]), (predicted / total - 1)
 
 
 def test_half_precision_weight_copies_are_kept_by_an_eager_forward():
@@ -311,7 +337,7 @@ def test_plan_command_prints_a_table_and_json(capsys):
     (["--n-heads", "5"], "does not divide d_model"),
     (["--efficiency", "1.5"], "--efficiency must be in (0, 1]"),
     (["--nvlink-gbs", "nan"], "--nvlink-gbs must be a finite number"),
-    (["--sharding", "zero3"], "invalid choice"),
+    (["--sharding", "zero4"], "invalid choice"),
     (["--plot", "/nonexistent-folder/plan.png"], "is not a folder"),
     (["--sharding", "zero2", "--ddp", "bucketed"], "averages gradients itself"),
 ])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 from lab2_trainer import wall_clock
 from lab2_trainer.config import ModelConfig, TrainSettings
@@ -57,6 +58,29 @@ def test_phases_add_up_and_compilation_is_carved_out_of_training():
     assert_adds_up(split)
     # No steady step yet: nothing is carved out.
     assert clock.split(first_step_s=0.03)["compilation_s"] == 0.0
+
+
+def test_compilation_inside_evaluation_is_carved_out_of_it(monkeypatch):
+    compiled = [10.0]  # dynamo's running total
+    monkeypatch.setattr(wall_clock, "dynamo_compile_seconds", lambda: compiled[0])
+    clock = WallClock()
+    clock.switch("training")
+    with clock.phase("evaluation", carve_compilation=True):
+        time.sleep(0.05)
+        compiled[0] += 0.03  # dynamo compiled for 30 ms of it
+    with clock.phase("evaluation", carve_compilation=True):  # compiled nothing more
+        time.sleep(0.01)
+    split = clock.split()
+    assert split["compilation_s"] == pytest.approx(0.03)
+    assert split["evaluation_s"] >= 0.05 + 0.01 - 0.03
+    assert_adds_up(split)
+
+
+def test_dynamo_compile_seconds_counts_a_compiled_frame():
+    torch._dynamo.reset()
+    before = wall_clock.dynamo_compile_seconds()
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    assert wall_clock.dynamo_compile_seconds() > before
 
 
 def test_bad_phase_is_refused():

@@ -244,10 +244,11 @@ def model_config(preset: str = "tiny", **overrides: Any) -> ModelConfig:
 
 # ------------------------------------------------------------------- training settings
 DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
-SHARDING_KINDS = ("none", "zero1", "zero2", "zero1-allreduce", "torch", "fsdp")
+SHARDING_KINDS = ("none", "zero1", "zero2", "zero3", "zero1-allreduce", "torch", "fsdp")
 #: The sharding kinds that average gradients themselves, with no DDP wrapper (``--ddp none``):
-#: zero1's ShardedOptimizer reduce-scattering them (stages 1 and 2) and PyTorch's FSDP2.
-SELF_REDUCING = ("zero1", "zero2", "fsdp")
+#: zero1 reduce-scattering them (ShardedOptimizer's stages 1 and 2, and stage 3) and
+#: PyTorch's FSDP2.
+SELF_REDUCING = ("zero1", "zero2", "zero3", "fsdp")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 #: What ``--compile`` compiles (``TrainSettings.compile_scope``).
@@ -357,7 +358,7 @@ class TrainSettings:
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
     ddp: str | None = setting(None, choices=DDP_KINDS, group="parallelism",
-                              default_text="none with zero1, zero2 and fsdp (they average "
+                              default_text="none with zero1, zero2, zero3 and fsdp (they average "
                               "gradients themselves); else bucketed with >1 rank, else none")
     """Gradient averaging wrapper: minddp's bucketed, individual, flat or naive; PyTorch's
     DistributedDataParallel (torch); none (one rank, or a sharding that averages
@@ -375,12 +376,15 @@ class TrainSettings:
     """ZeRO sharding: zero1 / zero2 (zero1's ShardedOptimizer stage 1 / 2: gradients
     reduce-scattered in buckets during backward, no DDP wrapper), zero1-allreduce (a --ddp
     wrapper all-reduces, ShardedOptimizer broadcasts its updated shards), torch (a --ddp
-    wrapper + PyTorch's ZeroRedundancyOptimizer), fsdp (PyTorch's FSDP2 fully_shard on
-    every block and the root, plain AdamW over the sharded parameters), or none."""
+    wrapper + PyTorch's ZeroRedundancyOptimizer), zero3 (zero1.shard_model: the parameters
+    sharded too, each block a unit gathered with prefetch, zero1.Stage3Optimizer over the
+    shards), fsdp (PyTorch's FSDP2 fully_shard on every block and the root, plain AdamW
+    over the sharded parameters), or none."""
     reshard_after_forward: bool = setting(True, group="parallelism")
-    """--sharding fsdp: free each block's gathered parameters after its forward and gather
-    them again for backward (FSDP2's default); off keeps them to the end of backward (one
-    all-gather per step, ZeRO-2's volume, more memory). Ignored by the other kinds."""
+    """--sharding zero3 and fsdp: free each block's gathered parameters after its forward
+    and gather them again for backward (FSDP2's default); off keeps them to the block's
+    backward (one all-gather per step, ZeRO-2's volume, more memory). Ignored by the other
+    kinds."""
     device: str = setting("auto", group="parallelism")
     """auto, cpu or cuda."""
     timeout: float = setting(300.0, group="parallelism", metavar="SECONDS")

@@ -20,6 +20,8 @@ zero1-allreduce,    or none (one rank)              =False) (zero1-allreduce),
 torch)                                              ZeroRedundancyOptimizer (torch)
 :class:`Zero`       ShardedOptimizer's hooks:       ShardedOptimizer(stage=1 or 2,
 (zero1, zero2)      reduce-scatter in backward      reduce_gradients=True)
+:class:`Zero3`      zero1.shard_model's hooks:      Stage3Optimizer(AdamW) over
+(zero3)             reduce-scatter in backward      the parameter shards
 :class:`FSDP`       FSDP2 (reduce-scatter)          AdamW over the sharded parameters
 (fsdp)
 ==================  ==============================  ==============================
@@ -65,7 +67,7 @@ class Options:
         lr, betas, weight_decay, fused: AdamW's.
         bucket_mb, bucket_rule: the DDP wrappers' buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (:func:`ddp_wrapper`).
-        reshard_after_forward: FSDP2's.
+        reshard_after_forward: zero3's and FSDP2's.
     """
 
     ddp: str
@@ -344,6 +346,41 @@ class Zero(Parallel):
         self.optimizer.set_gradient_order(order)  # a collective
 
 
+# ----------------------------------------------------------------------------- zero3
+class Zero3(Parallel):
+    """zero1's stage 3 (zero3): ``zero1.shard_model`` with every transformer block a unit
+    and the root holding the rest (FSDP2's layout), gathering each unit before its
+    forward and backward and reduce-scattering its gradients after; ``Stage3Optimizer``
+    steps the shards. Clipping, the full state and evaluation are collectives."""
+
+    @classmethod
+    def apply(cls, model: nn.Module, compiled: nn.Module, sharding: str,
+              options: Options) -> Parallel:
+        from zero1 import Stage3Optimizer, shard_model
+
+        _agree_and_broadcast(model)
+        shard_model(model, units=list(getattr(model, "blocks", ())),
+                    reshard_after_forward=options.reshard_after_forward)
+        optimizer = Stage3Optimizer(param_groups(model, options.weight_decay),
+                                    torch.optim.AdamW, **options.adamw())
+        return cls(model, optimizer, compiled, sharding=sharding)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.optimizer.no_sync()
+
+    def finish(self) -> None:
+        self.optimizer.finish_gradient_synchronization()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        # The averaged gradients are the optimizer's shards (one scalar all-reduce).
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
+
+    def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:
+        from zero1 import sharding_of
+
+        return sharding_of(self.model).full_state_dict(to=0)
+
+
 # ------------------------------------------------------------------------------ fsdp
 class FSDP(Parallel):
     """PyTorch's FSDP2: ``fully_shard`` on every transformer block and then the root;
@@ -442,6 +479,7 @@ def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
 FAMILIES: dict[str, type[Parallel]] = {
     "none": DDP, "zero1-allreduce": DDP, "torch": DDP,
     "zero1": Zero, "zero2": Zero,
+    "zero3": Zero3,
     "fsdp": FSDP,
 }
 
@@ -460,21 +498,22 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
        model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
        and FSDP2's module hooks still fire around the compiled graphs.
     2. The family of ``sharding`` (:data:`FAMILIES`) applies itself: a DDP wrapper around
-       the compiled module, or (zero, fsdp) the ranks' models checked to agree
+       the compiled module, or (zero, zero3, fsdp) the ranks' models checked to agree
        (``minddp.check_model_consistency``), rank 0's weights broadcast and, for fsdp,
-       ``fully_shard``; then the family's optimizer (zero's registers its gradient hooks).
+       ``fully_shard`` (for zero3 ``zero1.shard_model``); then the family's optimizer
+       (zero's registers its gradient hooks).
 
     Args:
         model: the bare model, on ``device``, identical on every rank.
         sharding: one of ``config.SHARDING_KINDS``.
-        ddp: one of ``config.DDP_KINDS`` ("none" with zero1, zero2 and fsdp).
+        ddp: one of ``config.DDP_KINDS`` ("none" with zero1, zero2, zero3 and fsdp).
         device: this rank's device.
         lr, betas, weight_decay, fused: AdamW's.
         compile: torch.compile's backend and mode and the scope (:func:`compile_model`),
             or None.
         bucket_mb, bucket_rule: DDP's buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (:func:`ddp_wrapper`).
-        reshard_after_forward: FSDP2's, for "fsdp".
+        reshard_after_forward: for "zero3" and "fsdp".
     """
     from lab2_trainer.config import SELF_REDUCING
 

@@ -9,7 +9,10 @@ Memory, per GPU, item by item (:func:`memory_items`):
   :func:`lab2_trainer.shapes.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
-  fsdp the gathered weights of the block running and the one prefetched; PyTorch's
+  fsdp the gathered weights of the block running and the one prefetched; zero3
+  (:func:`zero3_buffers`) the root unit's gathered weights and its full gradient, the
+  blocks in flight, one block's gradient before it is packed and the send buffers of
+  two reductions (full gradients of every parameter with accumulation); PyTorch's
   DistributedDataParallel its bucket copy of the gradients (DDPBucketed's flat buckets are
   the gradients themselves: the ``.grad`` are views of them); with one rank, zero1's
   ShardedOptimizer is the plain optimizer and holds nothing more;
@@ -78,8 +81,9 @@ class Hardware:
     peak_tflops: float = setting(989.0, group="machine")
     """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
     efficiency: float = setting(0.53, group="machine")
-    """Fraction of the peak the hardware FLOPs reach (measured on one H200: the README's
-    planner section)."""
+    """Fraction of the peak the hardware FLOPs reach: fitted to one run measured on one
+    H200, whose step-time error is therefore in-sample (the README's planner section lists
+    the out-of-sample checks)."""
     nvlink_gbs: float = setting(450.0, group="machine")
     """Bandwidth per GPU and direction within a node, GB/s."""
     ib_gbits: float = setting(400.0, group="machine")
@@ -114,7 +118,7 @@ class PlanInput:
             default, bucketed with more than one rank and a kind that takes one, else none).
         activation_checkpointing: "none", "full" or "selective".
         compile: whether the model is compiled (what the backward keeps differs).
-        reshard_after_forward: fsdp's.
+        reshard_after_forward: zero3's and fsdp's.
         bucket_mb: the gradient buckets (DDPBucketed, zero1, zero2), MiB.
     """
 
@@ -265,6 +269,8 @@ def memory_items(p: PlanInput) -> dict[str, float]:
         buffers = min(bucket, 4 * n)
     elif p.sharding == "fsdp":
         buffers = 2 * 4 * counts["block"] if p.reshard_after_forward else 0.0
+    elif p.sharding == "zero3":
+        buffers = zero3_buffers(p)
     elif p.ddp == "torch":  # DistributedDataParallel's bucket copy of the gradients
         buffers = 4 * n
     # Gradients that outlive the step: zero1 stage 1's full buffer (more than one rank),
@@ -313,6 +319,34 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     items["counted_activations"] = float(counted_acts)
     items["reserved"] = peak * (1 + hw.fragmentation)
     return items
+
+
+def zero3_buffers(p: PlanInput) -> float:
+    """Bytes zero1's stage 3 holds beyond the shards (fp32, every unit a block but the root:
+    embeddings, head, final norm), at the start of the backward where activations peak:
+
+    * the root's full gradient (4 bytes a root parameter): the LM head's arrives first,
+      the embedding's last, and the root is packed once both are in;
+    * the gradient of the block whose backward runs, before it is packed (4 a block
+      parameter), and, on more than one rank, the send buffers of the two reductions
+      kept in flight (4 each);
+    * on more than one rank, the root's gathered weights, kept from the forward to the
+      backward (4 a root parameter), and with ``reshard_after_forward`` the block
+      running and the one prefetched (4 each; without it every block stays gathered,
+      which the parameters item counts); one rank's shard is its full buffer;
+    * with accumulation, ``no_sync``'s full gradient of every parameter (4 each).
+    """
+    counts = parameter_counts(p.model)
+    root = counts["embeddings"] + counts["head"] + counts["norms"]
+    block = counts["block"]
+    held = 4 * root + 4 * block
+    if p.world_size > 1:
+        held += 2 * 4 * block + 4 * root
+        if p.reshard_after_forward:
+            held += 2 * 4 * block
+    if p.grad_accum > 1:
+        held += 4 * counts["total"]
+    return float(held)
 
 
 def fits(p: PlanInput, items: dict[str, float] | None = None) -> bool:
@@ -386,6 +420,16 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             add("backward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
                 "backward")
         add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
+    if s == "zero3":
+        blocks = c.n_layers + 1
+        gathers = p.grad_accum  # no_sync still gathers every micro-batch
+        add("forward all-gather", "all-gather", gathers * grad_bytes, gathers * blocks,
+            "forward")
+        if p.reshard_after_forward:  # the root stays gathered from forward to backward
+            blocks_bytes = 4.0 * parameter_counts(c)["blocks"]
+            add("backward all-gather", "all-gather", gathers * blocks_bytes,
+                gathers * c.n_layers, "backward")
+        add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
     budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap}
     exposed = 0.0
     for name, comm in comms.items():
@@ -395,7 +439,8 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             comm["exposed"] = t
         else:
             # The last call (bucket or block) has nothing left to hide behind.
-            calls = buckets if "reduce" in name or s != "fsdp" else c.n_layers + 1
+            calls = (buckets if s not in ("fsdp", "zero3") or ("reduce" in name and s == "fsdp")
+                     else c.n_layers + 1)
             last = t / max(1, calls)
             hidden = min(t - last, budget[where])
             budget[where] -= hidden
@@ -403,7 +448,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         exposed += comm["exposed"]
     step = compute + exposed
     tokens = p.batch_size * c.context_length
-    tokens_per_s = tokens / step
+    tokens_per_s = tokens / step if step > 0 else math.inf  # a step too fast for a float
     return {
         "compute_s": compute, "forward_s": forward, "backward_s": backward,
         "communication": comms,
@@ -412,7 +457,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         "tokens_per_s_per_gpu": tokens_per_s / N,
         "mfu": tokens_per_s * model_flops / (peak * N),
         "hfu": tokens_per_s * hardware_flops / (peak * N),
-        "scaling_efficiency": compute / step,
+        "scaling_efficiency": compute / step if step > 0 else math.nan,
         "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
         "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
     }
@@ -428,7 +473,8 @@ def assumptions(p: PlanInput) -> list[str]:
         "fp32; peak at the start of the backward (or in the optimizer step when gradients "
         "outweigh activations)",
         f"compute at {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (hardware FLOPs, "
-        "recompute included; 53% measured: xl 32 x 512 compiled, one H200)",
+        "recompute included; the default 53% is fitted to xl 32 x 512 compiled on one H200: "
+        "an in-sample figure there, out-of-sample checks in the README)",
         f"ring collectives: NVLink {hw.nvlink_gbs:g} GB/s per GPU within a node, "
         f"InfiniBand {hw.ib_gbits:g} Gb/s per GPU between nodes (the slowest link sets a "
         f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",

@@ -84,7 +84,7 @@ def flops_per_token(config: Any, checkpointing: str) -> tuple[float, float]:
 def training_state_parts(n: int, sharding: str, world_size: int,
                          reshard_after_forward: bool = True) -> dict[str, int]:
     """:func:`training_state_bytes` item by item: ``parameters``, ``gradients`` and
-    ``optimizer`` bytes per rank (the gathered weights of fsdp without resharding count
+    ``optimizer`` bytes per rank (the gathered weights of zero3 and fsdp without resharding count
     among the parameters)."""
     shards = max(1, world_size)
     params, grads, state = 4 * n, 4 * n, 8 * n // shards
@@ -92,7 +92,7 @@ def training_state_parts(n: int, sharding: str, world_size: int,
         state = 8 * n
     elif sharding == "zero2":
         grads = 4 * n // shards
-    elif sharding == "fsdp":
+    elif sharding in ("zero3", "fsdp"):
         params = 4 * n // shards + (0 if reshard_after_forward else 4 * n)
         grads = 4 * n // shards
     return {"parameters": params, "gradients": grads, "optimizer": state}
@@ -106,7 +106,7 @@ def training_state_bytes(n: int, sharding: str, world_size: int,
     * none: 4 + 4 + 8 per parameter;
     * zero1, zero1-allreduce, torch (state sharded): 4 + 4 + 8/N;
     * zero2 (gradients sharded too): 4 + (4 + 8)/N;
-    * fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the whole
-      gathered weights (4) through the backward besides.
+    * zero3, fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the
+      whole gathered weights (4) through the backward besides.
     """
     return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())

@@ -8,7 +8,7 @@ clipping by the global norm of the averaged gradients; the optimizer step. What 
 model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up by
 :func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
 ``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
-zero1, zero2 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
+zero1, zero2, zero3 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
 from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
 equal slice, and the averaging across ranks then gives the mean over the global batch: the
 same as one process on the whole batch.

@@ -46,6 +46,7 @@ from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
+from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
     SAMPLE_NAME,
     RunReporter,
@@ -336,7 +337,7 @@ class Trainer:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
                 if evaluate_now:
-                    with clock.phase("evaluation"):
+                    with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
                                             ctx, s.precision)
                     records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
@@ -350,7 +351,7 @@ class Trainer:
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report
-                with clock.phase("evaluation"):
+                with clock.phase("evaluation", carve_compilation=True):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
                                         s.precision)
             # The end of the run waits for the save in flight: a stall too.
@@ -383,9 +384,23 @@ class Trainer:
             "checkpoint_stalls": self.checkpointer.stalls,
             "checkpoint_final_wait_s": self.checkpointer.final_wait,
         }
-        # A collective with fsdp (the whole model is gathered onto rank 0), so every rank.
+        # A collective with zero3 and fsdp (the whole model is gathered onto rank 0).
         with clock.phase("sampling"):
             sample_model = self.sampling_model() if s.sample_tokens else None
+        # Rank 0's work alone: the others wait without --timeout bounding a long sample.
+        rank0_alone(ctx, "at the end of the run (plot, sample, summary)",
+                    lambda: self._finish(reporter, summary, entropy, sample_model, profiler,
+                                         first_step_s, windows), s.timeout)
+        if reporter is None:
+            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
+        return summary
+
+    def _finish(self, reporter: RunReporter | None, summary: dict[str, Any],
+                entropy: float | None, sample_model: TransformerLM | None,
+                profiler: StepProfiler | None, first_step_s: float | None,
+                windows: list[tuple[int, float]]) -> None:
+        """Rank 0's end of the run: the loss curve, the sample, the summary."""
+        s, clock, out = self.s, self.clock, Path(self.s.out)
         if reporter is not None:
             summary.update(provenance())
             outputs = {"metrics": str(out / "metrics.jsonl")}
@@ -408,10 +423,6 @@ class Trainer:
             summary["outputs"] = outputs
             summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
             reporter.summary(summary, outputs)
-        else:
-            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
-        ctx.barrier()
-        return summary
 
     def _fetch_records(self, pending: list[tuple[int, float, torch.Tensor, torch.Tensor]],
                        since: float) -> list[dict[str, Any]]:
@@ -480,6 +491,8 @@ class Trainer:
                "zero2": f"zero1.ShardedOptimizer(stage 2, reduce-scatter, {buckets}, {adamw})",
                "zero1-allreduce": f"zero1.ShardedOptimizer(stage 1, broadcast, {adamw})",
                "torch": f"ZeroRedundancyOptimizer({adamw})",
+               "zero3": f"zero1.shard_model(reshard_after_forward={s.reshard_after_forward}) "
+                        f"+ zero1.Stage3Optimizer({adamw})",
                "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
                        f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
@@ -525,10 +538,10 @@ class Trainer:
         )
 
     def sampling_model(self) -> TransformerLM | None:
-        """The model to sample from on rank 0: the trained one itself, or with fsdp (whose
-        parameters are shards) an unsharded copy built from the gathered state dict. A
-        collective with fsdp; None on the other ranks there."""
-        if self.parallel.sharding != "fsdp":
+        """The model to sample from on rank 0: the trained one itself, or with zero3 and
+        fsdp (whose parameters are shards) an unsharded copy built from the gathered state
+        dict. A collective with those; None on the other ranks there."""
+        if self.parallel.sharding not in ("zero3", "fsdp"):
             return self.model
         state = self.parallel.full_model_state(self.ctx.rank)
         if state is None:

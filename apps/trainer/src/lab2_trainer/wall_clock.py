@@ -14,8 +14,10 @@ wait for the steps' results), so every second between the start and
   the mean step time of the timed windows after it; carved out of ``training`` by
   :meth:`WallClock.split`. It is everything the first step costs beyond a steady one:
   ``torch.compile``'s tracing and code generation, and in an eager run the allocator's
-  and the kernels' first-call warm-up. A recompilation later in the run (the first
-  evaluation under ``no_grad``, for one) counts in the phase it happens in.
+  and the kernels' first-call warm-up. Compilation inside a phase entered with
+  ``carve_compilation`` (evaluation: its first pass compiles the graphs without
+  gradients) is added, as dynamo accounts it (:func:`dynamo_compile_seconds`), and taken
+  out of that phase.
 * ``training``: the training steps, with the fetches of their losses and gradient norms.
 * ``evaluation``, ``sampling``: the validation passes and the text sample.
 * ``checkpoint``: the time checkpoint writing keeps the training loop waiting: whatever
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +65,15 @@ def launch_start() -> float | None:
         return None
 
 
+def dynamo_compile_seconds() -> float:
+    """Seconds torch.compile's dynamo has spent compiling frames so far in this process
+    (its ``compilation_time_metrics``); 0 where dynamo is not loaded or keeps no such
+    account."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(utils, "compilation_time_metrics", None) or {}
+    return float(sum(sum(v) for k, v in metrics.items() if k.endswith("compile_inner")))
+
+
 def mark_launch() -> None:
     """Store now as the launch time of the run (the command line's first act)."""
     os.environ[START_ENV] = repr(time.time())
@@ -81,6 +93,7 @@ class WallClock:
             self.seconds["startup"] = max(0.0, time.time() - start)
         self.current = "startup"
         self._since = time.perf_counter()
+        self._compiled_in = dict.fromkeys(PHASES, 0.0)  # carved out of a phase by split
         self._thread = threading.get_ident()
 
     def switch(self, phase: str) -> str:
@@ -96,13 +109,19 @@ class WallClock:
         return left
 
     @contextlib.contextmanager
-    def phase(self, phase: str) -> Iterator[None]:
-        """Count the block as ``phase``, then go back to the phase it interrupted."""
+    def phase(self, phase: str, *, carve_compilation: bool = False) -> Iterator[None]:
+        """Count the block as ``phase``, then go back to the phase it interrupted; with
+        ``carve_compilation``, what dynamo spends compiling in it counts as compilation."""
+        compiled = dynamo_compile_seconds() if carve_compilation else 0.0
+        began = time.perf_counter()
         left = self.switch(phase)
         try:
             yield
         finally:
             self.switch(left)
+            if carve_compilation:
+                spent = dynamo_compile_seconds() - compiled
+                self._compiled_in[phase] += min(max(0.0, spent), time.perf_counter() - began)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[WallClock]:
@@ -129,6 +148,10 @@ class WallClock:
         if first_step_s is not None and steady_step_s is not None:
             parts["compilation"] = min(parts["training"], max(0.0, first_step_s - steady_step_s))
             parts["training"] -= parts["compilation"]
+        for name, seconds in self._compiled_in.items():
+            carved = min(seconds, parts[name])
+            parts[name] -= carved
+            parts["compilation"] += carved
         wall = sum(parts.values())
         out: dict[str, Any] = {"wall_s": wall}
         out.update({f"{name}_s": parts[name] for name in PHASES})

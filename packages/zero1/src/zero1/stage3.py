@@ -226,7 +226,8 @@ class Unit:
             self.owner.world_size)
         if self.grad_shard is None:
             self.grad_shard = summed.to(self.dtype) if summed.dtype != self.dtype else summed
-            self.grad_shard.div_(n)
+            if n > 1:
+                self.grad_shard.div_(n)
         else:
             self.grad_shard.add_(summed.to(self.dtype), alpha=1.0 / n)
 

@@ -57,8 +57,11 @@ def _owner(p: torch.Tensor) -> tuple[ShardedModel, Unit, int]:
     return info
 
 
-def _piece(p: torch.Tensor) -> Piece | None:
-    """This rank's piece of ``p``: the 1-D view of its unit's shard it falls into."""
+def piece_of(p: torch.Tensor) -> Piece | None:
+    """This rank's piece of a sharded parameter ``p``: the 1-D view of its unit's shard
+    that holds elements ``[start, start + numel)`` of the flattened ``p`` (None when no
+    element of ``p`` is in this rank's shard). What a checkpoint that never gathers
+    writes and reads."""
     sharded, unit, i = _owner(p)
     off, n = unit.offsets[i], p.numel()
     if unit.alias:
@@ -113,7 +116,7 @@ class Stage3Optimizer(Optimizer):
     def _pieces_of(group: Mapping[str, Any]) -> list[tuple[int, Piece]]:
         out = []
         for position, p in enumerate(group["params"]):
-            piece = _piece(p)
+            piece = piece_of(p)
             if piece is not None:
                 out.append((position, piece))
         return out
@@ -184,6 +187,18 @@ class Stage3Optimizer(Optimizer):
                 base = piece.local.storage_offset() - unit.shard.storage_offset()
                 piece.local.grad = unit.grad_shard[base:base + piece.local.numel()]
 
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this rank holds: the averaged shards, and the full gradients
+        ``no_sync`` keeps in ``.grad``."""
+        total = 0
+        for sharded in self._shardings:
+            for unit in sharded.units:
+                if unit.grad_shard is not None:
+                    total += unit.grad_shard.numel() * unit.grad_shard.element_size()
+                total += sum(p.grad.numel() * p.grad.element_size() for p in unit.params
+                             if p.grad is not None)
+        return total
+
     def shard_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps (after the synchronization)."""
         self.finish_gradient_synchronization()
@@ -251,19 +266,16 @@ class Stage3Optimizer(Optimizer):
         return loss
 
     # -------------------------------------------------------------- checkpoints
-    def _numbered_pieces(self) -> list[tuple[int, Piece]]:
+    def numbered_pieces(self) -> list[tuple[int, Piece]]:
+        """(global parameter number, piece) of every piece this rank steps: ``piece.local``
+        is this rank's shard of the flattened ``piece.param`` from ``piece.start`` (its
+        values, and the key of the local optimizer's state): what a checkpoint that never
+        gathers writes and reads (see :func:`piece_of`)."""
         out, start = [], 0
         for group, pieces in zip(self.param_groups, self._pieces):
             out.extend((start + j, piece) for j, piece in pieces)
             start += len(group["params"])
         return out
-
-    def numbered_pieces(self) -> list[tuple[int, Piece]]:
-        """(global parameter number, piece) of every piece this rank steps: ``piece.local``
-        is this rank's shard of the flattened ``piece.param`` from ``piece.start`` (its
-        values, and the key of the local optimizer's state): what a checkpoint that never
-        gathers writes and reads."""
-        return self._numbered_pieces()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state onto rank ``to`` (collective; tensors on the CPU);
@@ -271,7 +283,7 @@ class Stage3Optimizer(Optimizer):
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"{_WHO}.consolidate_state_dict: to must be a rank in "
                              f"[0, {self.world_size}), got {to!r}")
-        shard = state_of_pieces(self._local.state, self._numbered_pieces())
+        shard = state_of_pieces(self._local.state, self.numbered_pieces())
         if self.world_size == 1:
             shards: Any = [shard]
         else:
