@@ -63,3 +63,55 @@ def folder_listing(root) -> list[tuple[str, int, int]]:
             out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size,
                         st.st_mtime_ns))
     return sorted(out)
+
+
+def entries(root) -> list[tuple[str, int, int, int]]:
+    """Like :func:`folder_listing`, without following links (a link loop or a FIFO is
+    listed, never opened): name, type bits, size and modification time."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out.append((os.path.relpath(os.path.join(dirpath, name), root),
+                        st.st_mode & 0o170000, st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+_MAINS = """
+import contextlib, io, json, os, sys
+from {module} import main
+results = []
+for cwd, argv in json.loads(sys.argv[1]):
+    os.chdir(cwd)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results.append({{"code": code, "err": err.getvalue()}})
+print(json.dumps(results))
+"""
+
+
+@dataclass
+class MainRun:
+    code: int | str | None
+    """What ``main`` returned or exited with."""
+    err: str
+    """What it printed on stderr."""
+
+
+def run_mains(module: str, cases: list[tuple[str, list[str]]],
+              timeout: float = 300.0) -> list[MainRun]:
+    """``module.main(argv)`` for each ``(cwd, argv)`` of ``cases``, one after the other in
+    one fresh interpreter (one import of the libraries for many refusals); a case that
+    hangs fails the whole call at ``timeout``."""
+    proc = subprocess.run([sys.executable, "-c", _MAINS.format(module=module),
+                           json.dumps([(str(c), a) for c, a in cases])],
+                          capture_output=True, text=True, timeout=timeout)
+    try:
+        return [MainRun(r["code"], r["err"]) for r in json.loads(proc.stdout.splitlines()[-1])]
+    except (json.JSONDecodeError, IndexError):
+        raise AssertionError(f"{module} crashed (exit {proc.returncode}):\n{proc.stdout}\n"
+                             f"{proc.stderr}") from None

@@ -5,6 +5,7 @@ plan``'s prediction for the same runs.
     python apps/trainer/benchmarks/mfu.py --configs medium:8x512 --stack torch
     python apps/trainer/benchmarks/mfu.py --configs xl:64x512:compiled:selective
     python apps/trainer/benchmarks/mfu.py --plan-check --out runs/plan-check
+    python apps/trainer/benchmarks/mfu.py --out-of-sample --out runs/out-of-sample
 
 A configuration is ``preset:BATCHxCONTEXT[:eager|compiled][:none|full|selective]`` (default
 compiled, no activation checkpointing). Each builds the trainer's model and sets it up as the
@@ -20,7 +21,8 @@ ms/step, tokens/s, MFU and HFU (``lab2_trainer.report``), ``torch.cuda.max_memor
 over the timed steps, and the planner's peak and step time with their errors (predicted ÷
 measured − 1). ``--plan-check`` runs the planner's check list unwrapped (``--stack none``,
 one window of 5 steps), a configuration starting only while ``--budget-s`` (280) leaves it
-time: under 5 minutes on an H200. ``--profile`` adds the device time per step by kernel
+time: under 5 minutes on an H200. ``--out-of-sample`` runs :data:`OUT_OF_SAMPLE`, the check
+runs no planner constant was fitted to. ``--profile`` adds the device time per step by kernel
 family; ``--device cpu`` runs the plumbing on a micro model (times only).
 """
 
@@ -61,6 +63,11 @@ PLAN_CHECK = [
     "xl:8x512:eager:none", "xl:32x512:eager:full", "xl:32x512:compiled:none",
     "medium:32x512:compiled:none", "medium:32x512:compiled:selective",
 ]
+#: Check runs no planner constant was fitted to, on configurations not measured when the
+#: formulas were written: the planner's out-of-sample errors (README, planner section).
+#: A run that a constant is later fitted to leaves this list.
+OUT_OF_SAMPLE = ["large:16x1024:compiled:none", "2.7B:8x1024:eager:full",
+                 "xl:64x512:compiled:selective"]
 #: Seconds of --budget-s a configuration needs left to start (compiling takes a while).
 NEEDS = {"eager": 15.0, "compiled": 90.0}
 # Kernel families by name fragment, first match wins (cuBLAS's Hopper kernels are nvjet_*).
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="default ours (none with --plan-check)")
     p.add_argument("--plan-check", action="store_true",
                    help="the planner's check list, unwrapped, one window of 5 steps")
+    p.add_argument("--out-of-sample", action="store_true",
+                   help="the planner's out-of-sample check runs (OUT_OF_SAMPLE), default stack")
     p.add_argument("--vocab-size", type=int, default=10000)
     p.add_argument("--compile-mode", default=None, help="torch.compile mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (compile in them)")
@@ -193,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (5 if check else 8)
     args.windows = args.windows or (1 if check else 3)
     args.budget_s = args.budget_s or (280.0 if check else float("inf"))
-    configs = [parse_config(p, c) for c in args.configs or (PLAN_CHECK if check
-                                                             else ["medium:8x512"])]
+    default = PLAN_CHECK if check else OUT_OF_SAMPLE if args.out_of_sample else ["medium:8x512"]
+    configs = [parse_config(p, c) for c in args.configs or default]
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA GPU (--device cpu runs the plumbing on a micro model)")
     device = harness.single_rank_group(args.device == "cuda")

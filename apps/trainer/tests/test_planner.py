@@ -208,14 +208,33 @@ def per_token(measure, c_small: ModelConfig, c_big: ModelConfig) -> tuple[float,
     return layer, small / tokens - c_small.n_layers * layer
 
 
+#: The README's claims on the activation formulas, as bounds on predicted ÷ measured − 1
+#: (low, high): exact is within half a percent (the measurement's rounding of one
+#: storage); LayerNorm and nn.RMSNorm keep a little more than counted (bf16: −4.8% and
+#: −3.9%; fp32: −0.3% and −0.1%); outside the blocks the final norm and loss within 2%
+#: below; with full checkpointing the total is over by up to 11% at these toy sizes (fp32;
+#: 6% in bf16), where the part outside the blocks weighs most.
+EXACT = (-0.005, 0.005)
+BLOCK_CLAIM = {"tritonnorm": EXACT, "layernorm": (-0.05, 0.005), "torch": (-0.05, 0.005)}
+OUTSIDE_CLAIM = (-0.02, 0.005)
+TOTAL_CLAIM = {"none": EXACT, "selective": EXACT, "full": (-0.005, 0.11)}
+
+
+def within(predicted: float, measured: float, bounds: tuple[float, float]) -> bool:
+    low, high = bounds
+    return low <= predicted / measured - 1 <= high
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kw", [{}, {"ffn": "gelu"}, {"norm": "layernorm"},
                                 {"norm": "torch"}])
 def test_saved_activations_per_layer_are_the_planners(precision, kw):
     c2, c3 = config(2, **kw), config(3, **kw)
     layer, rest = per_token(lambda c, b: saved_bytes(c, precision, b), c2, c3)
-    assert close(layer, layer_activation_bytes(c2, precision, "none")), layer
-    assert close(rest, final_activation_bytes(c2, precision)), rest
+    predicted = layer_activation_bytes(c2, precision, "none")
+    assert within(predicted, layer, BLOCK_CLAIM[c2.norm]), (predicted / layer - 1)
+    predicted = final_activation_bytes(c2, precision)
+    assert within(predicted, rest, OUTSIDE_CLAIM), (predicted / rest - 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -224,9 +243,10 @@ def test_activations_kept_with_checkpointing_are_the_planners(precision, kind):
     c2, c3 = config(2), config(3)
     layer, rest = per_token(lambda c, b: live_bytes(c, precision, b, kind), c2, c3)
     want = layer_activation_bytes(c2, precision, kind)
-    assert close(layer, want), (layer, want)
+    assert within(want, layer, EXACT), (want / layer - 1)
     total = 2 * layer + rest
-    assert close(total, 2 * want + final_activation_bytes(c2, precision)), total
+    predicted = 2 * want + final_activation_bytes(c2, precision)
+    assert within(predicted, total, TOTAL_CLAIM[kind]), (predicted / total - 1)
 
 
 def test_half_precision_weight_copies_are_kept_by_an_eager_forward():

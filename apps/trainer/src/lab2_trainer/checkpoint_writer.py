@@ -40,6 +40,7 @@ from lab2_trainer.checkpoint_folders import (
     step_folder,
     write_manifest,
 )
+from lab2_trainer.run_folder import WriteFailed, refused_write
 from lab2_trainer.sharded_checkpoint import (
     MOMENTS,
     Part,
@@ -160,7 +161,9 @@ class Checkpointer:
         try:
             self._write(folder, staged, trainer_state, step)
         except BaseException as exc:  # noqa: BLE001 (reported by wait(), in one line)
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            refused = refused_write(exc)  # a full disk: say so, not "CheckpointException"
+            reason = (refused.strerror or str(refused)) if refused is not None else (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             self.error = (f"checkpoint of step {step} was not written ({type(exc).__name__}"
                           f"{': ' + reason if reason else ''}); the previous one is intact")
             if not self.asynchronous:
@@ -209,13 +212,13 @@ class Checkpointer:
         """Wait for the save in flight (the end of a run).
 
         Raises:
-            RuntimeError: it failed (one line).
+            WriteFailed: it failed (one line, every rank's: rank 0 prints it).
         """
         start = time.perf_counter()
         error = self.wait()
         self.final_wait = time.perf_counter() - start
         if error is not None:
-            raise RuntimeError(error)
+            raise WriteFailed(error)
 
     def wait(self) -> str | None:
         """Wait for the save in flight, if any; returns its error line (None: written),

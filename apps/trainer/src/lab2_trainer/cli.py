@@ -111,11 +111,10 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     train: dict[str, Any] = {}
     model: dict[str, Any] = {}
     if args.config is not None:
-        source = f"--config {args.config}"
-        try:
-            text = Path(args.config).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{source}: cannot read it ({exc})") from None
+        from lab2_trainer.validate_inputs import read_bounded_text, shown
+
+        source = f"--config {shown(args.config)}"
+        text = read_bounded_text(args.config, "--config")  # never a FIFO or /dev/zero
         try:
             train, model = from_toml(text, source)
         except ValueError as exc:
@@ -204,8 +203,10 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     from lab2_trainer.validate_inputs import (
         check_checkpoint_fits,
         check_compile,
+        check_input_path,
         check_memory,
         check_out_path,
+        check_path_length,
         check_sharded_checkpoint_fits,
     )
 
@@ -214,8 +215,14 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     out = explicit.pop("out", None)
     resume = explicit.pop("resume", None)
     ckpt = None
+    if out == "":
+        raise UsageError("--out is empty: name a folder (or leave --out out for "
+                         "runs/<preset>-<time>)")
+    if out is not None:
+        check_path_length(out, "--out")
     if resume is not None:
         if resume:
+            check_input_path(resume, "--resume", missing="checkpoint not found")
             path = resolve_checkpoint(resume)
         elif out:
             path = resolve_checkpoint(out)
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
     previous = supervise.install_termination_handler()
-    claim = None
+    claim = settings = None
     try:
         try:
             given = given_settings(args)
@@ -395,21 +402,47 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(exc))
         if under_torchrun:
             # The rank entry of a local run too (spawn_local): one launch path.
-            return launch.run_rank(train, (settings,), device_type, timeout_s)
+            code = launch.run_rank(train, (settings,), device_type, timeout_s)
+            if code:
+                # A failed or stopped rank ends at once, as a local one does: not through
+                # the interpreter's shutdown, where Gloo's threads may still be running.
+                if claim is not None:
+                    claim.release()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            return code
         if world_size > 1:
             if device_type == "cpu":
                 _preload(settings)
-            return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s)
+            return launch.spawn_local(world_size, device_type, train, settings, timeout_s=timeout_s,
+                                      stop_note=lambda: checkpoint_note(settings))
         return _run_single(settings, device_type, timeout_s)
     except KeyboardInterrupt as exc:
         code = supervise.exit_code_for(exc)
-        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; the last "
-              "checkpoint is intact", file=sys.stderr, flush=True)
+        note = checkpoint_note(settings) if settings is not None else "nothing was written"
+        print(f"lab2-train: {'stopped by SIGTERM' if code == 143 else 'interrupted'}; {note}",
+              file=sys.stderr, flush=True)
         return code
     finally:
         if claim is not None:
             claim.release()
         supervise.restore_termination_handler(previous)
+
+
+def checkpoint_note(settings) -> str:
+    """What a stopped run says of its checkpoints: the last one is intact, or none was
+    written (and the one resumed from, if any, is untouched)."""
+    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint_folders import CKPT_DIR, newest_step
+
+    out = Path(settings.out)
+    if (out / CHECKPOINT_NAME).is_file() or (
+            (out / CKPT_DIR).is_dir() and newest_step(out / CKPT_DIR) is not None):
+        return "the last checkpoint is intact"
+    if settings.resume:
+        return f"no checkpoint was written yet; {settings.resume} is untouched"
+    return "no checkpoint was written yet"
 
 
 def export_main(argv: list[str]) -> int:
@@ -515,6 +548,14 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
         train(launch.DistContext(device=device), settings)
     except UsageError as exc:
         return _error(str(exc))
+    except Exception as exc:  # a refused write (a full disk) is one line, not a traceback
+        from lab2_trainer.run_folder import WriteFailed, write_failure
+
+        line = str(exc) if isinstance(exc, WriteFailed) else write_failure(exc)
+        if line is None:
+            raise
+        print(f"lab2-train: error: {line}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     finally:
         if need_group and launch.dist.is_initialized():
             launch.dist.destroy_process_group()

@@ -6,7 +6,8 @@ Three sources:
 * the default corpus: the running interpreter's standard-library ``.py`` sources as bytes
   (vocabulary 256), split into train and validation *by file* with a hash of each file's
   path, so the split never changes with the order files are found in; the two token
-  arrays are cached on disk after the first read;
+  arrays are cached on disk after the first read, with their CRC-32s (a cache that does
+  not match them is rebuilt, with a note);
 * ``--data PATH`` naming a text file or a directory of text files (bytes, split by file
   the same way; a single file is split 95/5 by position);
 * ``--data PATH`` naming a token array: a ``.npy`` file or a raw ``.bin`` of uint16
@@ -30,9 +31,11 @@ one too far for a checkpoint: :meth:`Prefetcher.state_dict` reports the batches 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,21 +137,59 @@ def load_stdlib_corpus(*, use_cache: bool = True) -> Corpus:
     train_path, val_path = folder / "train.npy", folder / "val.npy"
     source = f"stdlib:{root}"
     if use_cache and train_path.is_file() and val_path.is_file():
-        try:
-            train = np.load(train_path, mmap_mode="r")
-            val = np.load(val_path, mmap_mode="r")
-            return Corpus(train, val, 256, source, is_bytes=True)
-        except (OSError, ValueError):
-            pass  # a damaged cache is rebuilt below
+        damage = _cache_damage(folder, (train_path, val_path))
+        if damage is None:
+            try:
+                train = np.load(train_path, mmap_mode="r")
+                val = np.load(val_path, mmap_mode="r")
+                return Corpus(train, val, 256, source, is_bytes=True)
+            except (OSError, ValueError):
+                damage = "it cannot be read"
+        if damage != "unsealed":
+            print(f"lab2-train: note: the corpus cache {folder} is damaged ({damage}); "
+                  "rebuilding it", file=sys.stderr, flush=True)
     train, val = _split_files(root, _source_files(root, "*.py"))
     if use_cache:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             _save_npy_atomic(train_path, train)
             _save_npy_atomic(val_path, val)
+            # Written last: a cache is used only once its checksums are there and match.
+            sums = {p.name: _file_crc(p) for p in (train_path, val_path)}
+            atomic_write(folder / CACHE_CHECKSUMS, lambda f: f.write(json.dumps(sums).encode()))
         except OSError:
             pass  # an unwritable cache only costs a re-read next time
     return Corpus(train, val, 256, source, is_bytes=True)
+
+
+#: The corpus cache's checksums (CRC-32 of each file, as checkpoints check their tensors).
+CACHE_CHECKSUMS = "checksums.json"
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _cache_damage(folder: Path, files: tuple[Path, ...]) -> str | None:
+    """What is wrong with a cache (None: its files match their checksums); "unsealed" when
+    it has no checksums (written by an older version, or interrupted): rebuilt quietly."""
+    try:
+        sums = json.loads((folder / CACHE_CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return "unsealed"
+    except (OSError, ValueError):
+        return f"{CACHE_CHECKSUMS} cannot be read"
+    for path in files:
+        try:
+            if not isinstance(sums, dict) or sums.get(path.name) != _file_crc(path):
+                return f"{path.name} does not match its checksum"
+        except OSError as exc:
+            return f"{path.name} cannot be read: {exc.strerror or exc}"
+    return None
 
 
 def _load_token_array(path: Path) -> np.ndarray:
@@ -195,9 +236,14 @@ def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpu
         if vocab_size not in (None, 256):
             raise DataError(f"the default byte corpus has vocabulary 256, not {vocab_size}")
         return load_stdlib_corpus()
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data path does not exist: {p}")
+    from lab2_trainer.validate_inputs import check_input_path
+
+    if str(path) == "":
+        raise DataError("--data is empty: name a file or a folder (or leave --data out for "
+                        "the standard library's sources)")
+    # A regular file or a folder, never a FIFO or a device (/dev/zero): one would block
+    # the read below, the other never end it.
+    p = check_input_path(path, "--data", missing="the data path does not exist")
     arrays = {}
     if p.is_dir():
         for split in ("train", "val"):

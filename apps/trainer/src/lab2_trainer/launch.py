@@ -14,6 +14,7 @@ take SIGTERM as Ctrl-C, and a rank that fails or goes silent is named.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
+from lab2_trainer.run_folder import WriteFailed, write_failure
 from lab2_trainer.supervise import (
     FAILED,
     PEER_LOST,
@@ -162,6 +164,10 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
     if threads is not None:
         torch.set_num_threads(threads)
     rank = int(os.environ.get("RANK", "0"))
+    if not os.environ.get("PYTHONFAULTHANDLER"):
+        # The elastic agent turns on faulthandler's stack dumps in every rank: a rank killed
+        # by a fatal signal (a truncated memory map's SIGBUS) is one line of the launcher's.
+        faulthandler.disable()
     guard = RankGuard(rank, folder, launcher_pid).start()
     signalled = False
     try:
@@ -183,16 +189,29 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
             _say(f"rank {rank} gave up waiting for the other ranks after --timeout "
                  f"{timeout_s:g} s ({reason})")
         elif is_peer_lost_error(exc):
-            # Another rank is gone (the launcher names it and how it ended): this rank's
-            # broken collective is a consequence, not a second story.
+            # Another rank is gone: this rank's broken collective is a consequence, not a
+            # second story. A local launcher names the cause; under torchrun, say it.
             guard.mark(PEER_LOST)
-            _say(f"rank {rank} stopped: another rank closed its connection mid-collective")
+            if folder is None:
+                _say(f"rank {rank} stopped: another rank closed its connection "
+                     "mid-collective")
+        elif isinstance(exc, WriteFailed):  # a save of every rank failed: rank 0 says it
+            guard.mark(FAILED)
+            if rank == 0:
+                _say(f"rank {rank} failed: {exc}")
+        elif write_failure(exc) is not None:  # a full disk: one line, not a traceback
+            guard.mark(FAILED)
+            _say(f"rank {rank} failed: {write_failure(exc)}")
         else:
             guard.mark(FAILED)
             _say(f"rank {rank} failed:\n{traceback.format_exc()}")
         code = 1
     finally:
         guard.stop(signalled=signalled)
+        if guard.orphaned and folder is None and os.environ.get("LOCAL_RANK", "0") == "0":
+            # torchrun's agent (which hosts the store) is gone: its ranks stop; one says so.
+            _say(f"rank {rank} stopped: its launcher, torchrun's agent (pid "
+                 f"{guard.parent_pid}), is gone; the ranks of this node stop with it")
     if code and threads is not None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -209,7 +228,8 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+                timeout_s: float = DEFAULT_TIMEOUT_S,
+                stop_note: Callable[[], str] | None = None) -> int:
     """Run ``fn(ctx, *args)`` on ``nproc`` local ranks through torch.distributed's elastic
     agent (one node, c10d rendezvous on localhost, no restarts); return the first failing
     exit code (0 when all succeed).
@@ -227,6 +247,8 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
         fn: module-level function taking a :class:`DistContext` first.
         timeout_s: the process group's collective timeout, and how long a rank may
             go without a heartbeat.
+        stop_note: what to say of the checkpoints when the run is stopped by a signal
+            (asked once the ranks are stopped).
     """
     import logging
 
@@ -271,7 +293,8 @@ def spawn_local(nproc: int, device_type: str, fn: Callable[..., Any], *args: Any
             code = exit_code_for(exc)
             sig = signal.SIGTERM if code == 143 else signal.SIGINT
         word = "interrupted" if sig == signal.SIGINT else f"stopped by {signal_name(sig)}"
-        _say(f"{word}: stopping the ranks; the last checkpoint is intact")
+        _say(f"{word}: stopping the ranks; "
+             f"{stop_note() if stop_note else 'the last checkpoint is intact'}")
         return code
     finally:
         watch.stop()

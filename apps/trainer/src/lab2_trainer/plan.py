@@ -81,8 +81,9 @@ class Hardware:
     peak_tflops: float = setting(989.0, group="machine")
     """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
     efficiency: float = setting(0.53, group="machine")
-    """Fraction of the peak the hardware FLOPs reach (measured on one H200: the README's
-    planner section)."""
+    """Fraction of the peak the hardware FLOPs reach: fitted to one run measured on one
+    H200, whose step-time error is therefore in-sample (the README's planner section lists
+    the out-of-sample checks)."""
     nvlink_gbs: float = setting(450.0, group="machine")
     """Bandwidth per GPU and direction within a node, GB/s."""
     ib_gbits: float = setting(400.0, group="machine")
@@ -447,7 +448,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         exposed += comm["exposed"]
     step = compute + exposed
     tokens = p.batch_size * c.context_length
-    tokens_per_s = tokens / step
+    tokens_per_s = tokens / step if step > 0 else math.inf  # a step too fast for a float
     return {
         "compute_s": compute, "forward_s": forward, "backward_s": backward,
         "communication": comms,
@@ -456,7 +457,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         "tokens_per_s_per_gpu": tokens_per_s / N,
         "mfu": tokens_per_s * model_flops / (peak * N),
         "hfu": tokens_per_s * hardware_flops / (peak * N),
-        "scaling_efficiency": compute / step,
+        "scaling_efficiency": compute / step if step > 0 else math.nan,
         "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
         "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
     }
@@ -472,7 +473,8 @@ def assumptions(p: PlanInput) -> list[str]:
         "fp32; peak at the start of the backward (or in the optimizer step when gradients "
         "outweigh activations)",
         f"compute at {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (hardware FLOPs, "
-        "recompute included; 53% measured: xl 32 x 512 compiled, one H200)",
+        "recompute included; the default 53% is fitted to xl 32 x 512 compiled on one H200: "
+        "an in-sample figure there, out-of-sample checks in the README)",
         f"ring collectives: NVLink {hw.nvlink_gbs:g} GB/s per GPU within a node, "
         f"InfiniBand {hw.ib_gbits:g} Gb/s per GPU between nodes (the slowest link sets a "
         f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
-from pathlib import Path
 from typing import Any
 
 from lab2_trainer.cli import add_setting_flag, setting_fields
@@ -26,9 +26,11 @@ from lab2_trainer.config import (
     SHARDING_KINDS,
     ModelConfig,
     TrainSettings,
+    UsageError,
     model_config,
 )
 from lab2_trainer.plan import GIB, Hardware, PlanInput, plan
+from lab2_trainer.validate_inputs import check_output_file, shown
 
 #: GPU counts of ``--plot``, and the GPUs a node beyond the first.
 SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -248,32 +250,62 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
         console.print(f"  - {line}")
 
 
+def strict_json(result: dict[str, Any]) -> str:
+    """``result`` as strict JSON: a figure that is not finite (a prediction past what a
+    float holds, from extreme hardware flags) is null, and ``non_finite`` lists where."""
+    nulls: list[str] = []
+
+    def clean(value: Any, where: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            nulls.append(where)
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    out = clean(result, "")
+    if nulls:
+        out["non_finite"] = nulls
+        out.setdefault("assumptions", []).append(
+            "null stands for a figure past what a float holds (infinite or undefined), from "
+            "extreme inputs: see non_finite")
+    return json.dumps(out, indent=2, allow_nan=False)
+
+
+def _refuse(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"lab2-train plan: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train plan``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        if args.plot is not None:
-            folder = Path(args.plot).expanduser().resolve().parent
-            if not folder.is_dir():
-                raise ValueError(f"--plot {args.plot}: {folder} is not a folder")
+        if args.plot is not None:  # absent or a regular file: never a device or a FIFO
+            check_output_file(args.plot, "--plot")
         p = plan_input(args)
         result = plan(p)
         rows = compare_rows(p) if args.compare else None
         scaling = scaling_rows(p) if args.plot else None
-    except ValueError as exc:
-        print(f"lab2-train plan: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+    except (ValueError, UsageError) as exc:
+        return _refuse(str(exc))
     if rows is not None:
         result["compare"] = rows
     if scaling is not None:
         result["scaling"] = scaling
         m = result["model"]
-        draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, {m['n_layers']} "
-             f"layers, {result['micro_batch']} x {m['context_length']} tokens per GPU, "
-             f"{result['precision']}, checkpointing {result['activation_checkpointing']}",
-             result["gpu_memory_gib"])
+        try:
+            draw(scaling, args.plot, f"lab2-train plan: d_model {m['d_model']}, "
+                 f"{m['n_layers']} layers, {result['micro_batch']} x {m['context_length']} "
+                 f"tokens per GPU, {result['precision']}, checkpointing "
+                 f"{result['activation_checkpointing']}", result["gpu_memory_gib"])
+        except OSError as exc:  # a read-only file system, a full disk, a swap meanwhile
+            return _refuse(f"--plot {shown(args.plot)}: cannot write it "
+                           f"({exc.strerror or exc}; nothing was written)", code=1)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json(result))
     else:
         render(result, rows)
     return 0

@@ -25,12 +25,14 @@ folder, flushed to disk and renamed onto the target (``atomic_write``, shared wi
 in its internal ``lab2bench._process``). The temporary file is named ``.<name>.<pid>.tmp``
 (``.<name>.<random>.<pid>.tmp`` when that name is taken), so that what an interrupted write
 left can be told by the pid of its writer (:func:`clean_stale_temporaries` removes such
-files).
+files); it fits wherever the target's name fits, and only an absent target or a regular file
+is replaced (a folder, a device, a FIFO or a socket never is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -44,9 +46,11 @@ from lab2_trainer.config import UsageError
 
 # Atomic writes and process start times: one copy, shared with lab2bench (standard library
 # only); the trainer's modules take the writers from here.
+from lab2bench._process import NotARegularFile as NotARegularFile
 from lab2bench._process import atomic_write as atomic_write
 from lab2bench._process import atomic_write_text as atomic_write_text
 from lab2bench._process import process_start
+from lab2bench._process import temp_name as temp_name
 
 try:
     import fcntl
@@ -322,3 +326,53 @@ def in_use_message(folder: str | os.PathLike, info: dict[str, Any] | None) -> st
     """The one line that refuses a run whose ``--out`` another run holds."""
     return (f"--out {folder} is in use by {_describe(info)}: wait for it to finish or choose "
             "another --out (nothing was written)")
+
+
+#: Errors of a write that the machine refused: a full disk or quota, a file over the size
+#: limit, a read-only file system, an I/O error.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+#: What torch's zip writer (``torch.save``) says when the file under it refused a write.
+SHORT_WRITE = "unexpected pos"
+
+
+class WriteFailed(RuntimeError):
+    """A write the run needed failed on every rank at once (a sharded checkpoint's save,
+    a collective): its message is the one line to print, by rank 0."""
+
+
+def refused_write(exc: BaseException) -> OSError | None:
+    """The write the machine refused behind ``exc`` (:data:`WRITE_ERRNOS`), found anywhere
+    in its chain (torch.save wraps the OSError in a RuntimeError) or among the per-rank
+    failures of a ``torch.distributed.checkpoint`` exception; None when there is none."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            return e
+        if isinstance(e, RuntimeError) and SHORT_WRITE in str(e):
+            # torch's zip writer after a refused write, its OSError lost (a checkpoint's
+            # per-rank failures reach every rank pickled, without their chains)
+            return OSError(errno.EIO, "the file system refused a write (a full disk, a quota "
+                           "or a file-size limit)")
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # rank: (exception, traceback)
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """The one line that says ``exc`` is a write the machine refused, or None when it is
+    not (see :func:`refused_write`)."""
+    refused = refused_write(exc)
+    if refused is None:
+        return None
+    where = f" ({refused.filename})" if refused.filename else ""
+    return (f"a write failed: {refused.strerror or os.strerror(refused.errno)}{where}; files "
+            "are written atomically, so what was there before is intact")

@@ -139,6 +139,23 @@ def is_timeout_error(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+#: What a fatal signal most often means for a rank, said after its name.
+SIGNAL_HINTS = {
+    signal.SIGBUS: "a bus error: most often a memory-mapped file, such as a --data token "
+                   "array, truncated or removed while the run read it",
+    signal.SIGSEGV: "a segmentation fault in native code",
+}
+
+
+def killed_line(ranks: list[tuple[int, Any]], number: int) -> str:
+    """One line for the ranks (rank, pid) one signal killed, with what it most often means
+    (run with PYTHONFAULTHANDLER=1 for the ranks' stacks)."""
+    names = ", ".join(f"rank {r} (pid {p})" for r, p in ranks)
+    hint = SIGNAL_HINTS.get(number)
+    return (f"{names} {'was' if len(ranks) == 1 else 'were'} killed by {signal_name(number)}"
+            + (f" ({hint})" if hint else ""))
+
+
 def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -449,16 +466,20 @@ class LaunchWatch:
                     f"{self.timeout_s:g}); stopped or frozen. Ending the run."], 1
         failed = {r: e for r, e in self.ends.items() if e.failed}
         first = min((e.at for e in failed.values()), default=time.monotonic())
-        lines = []
+        lines: list[Any] = []
+        killed: dict[int, list[int]] = {}  # signal: the ranks it killed, one line each
         for rank in sorted(self.ends):
             end = self.ends[rank]
             if end.signal is not None:
-                lines.append(f"rank {rank} (pid {pid(rank)}) was killed by "
-                             f"{signal_name(end.signal)}")
+                if end.signal not in killed:
+                    lines.append(end.signal)  # placeholder, written below
+                killed.setdefault(end.signal, []).append(rank)
             elif end.code in (EXIT_TERMINATED, EXIT_INTERRUPTED) and end.at <= first:
                 # a signal to this rank alone, before anything else failed: it stopped in order
                 lines.append(f"rank {rank} (pid {pid(rank)}) was stopped by "
                              f"{'SIGTERM' if end.code == EXIT_TERMINATED else 'SIGINT'}")
+        lines = [line if isinstance(line, str) else killed_line(
+            [(r, pid(r)) for r in killed[line]], line) for line in lines]
         why = self._why(first)
         if why:
             lines.append(why)

@@ -46,6 +46,7 @@ from lab2_trainer.launch import DistContext
 from lab2_trainer.model import TransformerLM, selective_kind
 from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
+from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
     SAMPLE_NAME,
     RunReporter,
@@ -386,6 +387,20 @@ class Trainer:
         # A collective with zero3 and fsdp (the whole model is gathered onto rank 0).
         with clock.phase("sampling"):
             sample_model = self.sampling_model() if s.sample_tokens else None
+        # Rank 0's work alone: the others wait without --timeout bounding a long sample.
+        rank0_alone(ctx, "at the end of the run (plot, sample, summary)",
+                    lambda: self._finish(reporter, summary, entropy, sample_model, profiler,
+                                         first_step_s, windows), s.timeout)
+        if reporter is None:
+            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
+        return summary
+
+    def _finish(self, reporter: RunReporter | None, summary: dict[str, Any],
+                entropy: float | None, sample_model: TransformerLM | None,
+                profiler: StepProfiler | None, first_step_s: float | None,
+                windows: list[tuple[int, float]]) -> None:
+        """Rank 0's end of the run: the loss curve, the sample, the summary."""
+        s, clock, out = self.s, self.clock, Path(self.s.out)
         if reporter is not None:
             summary.update(provenance())
             outputs = {"metrics": str(out / "metrics.jsonl")}
@@ -408,10 +423,6 @@ class Trainer:
             summary["outputs"] = outputs
             summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
             reporter.summary(summary, outputs)
-        else:
-            summary["wall_clock"] = clock.split(first_step_s, steady_step(windows))
-        ctx.barrier()
-        return summary
 
     def _fetch_records(self, pending: list[tuple[int, float, torch.Tensor, torch.Tensor]],
                        since: float) -> list[dict[str, Any]]:

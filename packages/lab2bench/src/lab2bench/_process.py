@@ -4,7 +4,9 @@ imports neither torch nor anything of lab2bench's measurement; not part of lab2b
 public API (``lab2bench.atomic_write`` and the launcher in :mod:`lab2bench.ranks` are).
 
 * :func:`atomic_write` and its text and bytes forms: a reader, or a crash, sees the old
-  file or the new one, never half of it;
+  file or the new one, never half of it; only an absent target or a regular file is
+  replaced (:class:`NotARegularFile`), and the temporary name fits wherever the target's
+  does (:func:`temp_name`);
 * :func:`threads_per_rank`: intra-op threads for CPU ranks sharing the cores;
 * :func:`set_parent_death_signal`: a child that dies with its parent (Linux);
 * owner records: a temporary folder names the launcher that made it (:data:`OWNER_NAME`:
@@ -16,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import hashlib
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -127,20 +132,61 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+class NotARegularFile(OSError):
+    """An atomic write's target is a folder, a device, a FIFO or a socket: never replaced
+    (a rename onto ``/dev/null`` would replace the device node itself)."""
+
+
+#: The longest file name (bytes) most file systems take.
+NAME_MAX = 255
+
+
+def _check_target(target: Path) -> None:
+    """``target`` is absent or a regular file (a link is followed to see what it names).
+
+    Raises:
+        NotARegularFile: it is something else.
+    """
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST
+        raise NotARegularFile(code, f"{target} is not a regular file; it is never replaced")
+
+
+def temp_name(name: str, middle: str) -> str:
+    """``.<name>.<middle>.tmp``, kept within :data:`NAME_MAX` bytes: a long ``name`` is cut
+    and a hash of the whole name put after the cut (still ending ``.<middle>.tmp``)."""
+    full = f".{name}.{middle}.tmp"
+    if len(os.fsencode(full)) <= NAME_MAX:
+        return full
+    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
+    room = NAME_MAX - len(os.fsencode(f"..{digest}.{middle}.tmp"))
+    stem = os.fsencode(name)[:room].decode("utf-8", errors="ignore")
+    return f".{stem}{digest}.{middle}.tmp"
+
+
 def temp_file_beside(target: str | os.PathLike[str]) -> str:
     """Create an empty temporary file in ``target``'s folder, with the permissions a
     plain ``open()`` would give, and return its path; ``os.replace`` it onto
     ``target`` once written (for writers that take a path, like profiler exports).
 
     It is named ``.<name>.<pid>.tmp`` (``.<name>.<random>.<pid>.tmp`` when that is
-    taken), so that what an interrupted writer left can be told by its process id.
+    taken; :func:`temp_name` for a long name), so that what an interrupted writer left can
+    be told by its process id.
+
+    Raises:
+        NotARegularFile: ``target`` is a folder, a device, a FIFO or a socket.
     """
     target = Path(target)
+    _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
     for attempt in range(100):
         middle = f"{pid}" if attempt == 0 else f"{secrets.token_hex(4)}.{pid}"
-        tmp = target.parent / f".{target.name}.{middle}.tmp"
+        tmp = target.parent / temp_name(target.name, middle)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileExistsError:
@@ -153,7 +199,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
     """Call ``write(f)`` on a temporary file in ``path``'s folder, flush it to disk and
     ``os.replace`` it onto ``path``: a reader (or a crash) sees the old file or the new
     one, never half of it. When ``write`` raises (Ctrl-C included) the temporary file is
-    removed and ``path`` is left as it was."""
+    removed and ``path`` is left as it was.
+
+    Raises:
+        NotARegularFile: ``path`` is a folder, a device, a FIFO or a socket.
+    """
     target = Path(path)
     tmp = temp_file_beside(target)
     try:
@@ -161,6 +211,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        _check_target(target)  # made a FIFO or a device meanwhile: still not replaced
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
