@@ -193,7 +193,7 @@ def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         return [StateHolder(names[id(piece.param)], piece.param.numel(), piece.start,
                             piece.local, local)
                 for _, piece in optimizer.numbered_pieces()]
-    if sharding == "torch":
+    if sharding == "torch":  # ZeroRedundancyOptimizer: whole parameters, its local AdamW
         mine = optimizer._partition_parameters()[rank]
         return [StateHolder(names[id(p)], p.numel(), 0, p, optimizer.optim)
                 for group in mine for p in group["params"]]
@@ -218,7 +218,8 @@ def state_parts(holders: list[StateHolder]) -> list[Part]:
         for what in MOMENTS:
             parts.append(Part(state_key(h.name, what), h.numel, h.start, h.flat(state[what]),
                               replicated=h.replicated))
-        if (h.start == 0 and h.local_numel > 0) if not h.replicated else rank == 0:
+        writes_step = rank == 0 if h.replicated else (h.start == 0 and h.local_numel > 0)
+        if writes_step:
             step = state["step"]
             step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
             parts.append(Part(state_key(h.name, "step"), 1, 0, step.detach().reshape(1)))
