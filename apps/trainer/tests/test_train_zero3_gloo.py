@@ -6,8 +6,10 @@ and theirs under zero3; compiled blocks with activation checkpointing train alik
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lab2_testing.ddp_testkit import bitwise_equal, relative_error
@@ -118,3 +120,45 @@ def test_zero3_trains_resumes_and_moves_between_kinds(world_size, corpus_dir, tm
     assert ckpt["model"].keys() == six.model.state_dict().keys()
     n_params = len(list(six.model.parameters()))
     assert sorted(ckpt["optimizer"]["state"]) == list(range(n_params))
+
+
+def _dies_mid_all_gather(ctx) -> None:
+    import os
+    import signal
+
+    from torch import nn
+
+    from zero1 import Stage3Optimizer, shard_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    shard_model(model, units=list(model))
+    opt = Stage3Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    if ctx.rank == 1:
+        # In the second step's forward, after the first layers' gathers (and the next
+        # one's prefetch) have started: rank 0 waits in an all-gather.
+        calls = []
+
+        def die(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model[2].register_forward_pre_hook(die)
+    for _ in range(3):
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.gloo
+def test_a_rank_killed_mid_all_gather_is_named(capfd):
+    from lab2_trainer.launch import spawn_local
+
+    start = time.monotonic()
+    rc = spawn_local(2, "cpu", _dies_mid_all_gather, timeout_s=5)
+    took = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert rc == 1 and took < 30, (rc, took, err)
+    assert "rank 1 (pid" in err and "was killed by SIGKILL" in err, err
+    assert "Traceback" not in err, err

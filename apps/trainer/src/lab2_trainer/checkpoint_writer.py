@@ -80,8 +80,10 @@ class Checkpointer:
         self._buffers: dict[str, torch.Tensor] = {}
         self._prepare: threading.Thread | None = None
         if device.type == "cuda":
-            # Pinned memory takes seconds to allocate: make the buffers meanwhile.
+            # Pinned memory takes seconds to allocate: the buffers are made meanwhile (their
+            # shapes are read here, before any step moves the parameters).
             self._prepare = threading.Thread(target=self._make_buffers,
+                                             args=(self._expected(),),
                                              name="checkpoint-buffers", daemon=True)
             self._prepare.start()
         self._thread: threading.Thread | None = None
@@ -124,9 +126,9 @@ class Checkpointer:
         self.stalls.append(stall)
         return stall
 
-    def _make_buffers(self) -> None:
-        """Pinned buffers for what :meth:`save` will copy, AdamW's state included before
-        it exists (its moments take their parameter's range and dtype)."""
+    def _expected(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """(key, shape, dtype) of what :meth:`save` will copy on this rank, AdamW's state
+        included before it exists (its moments take their parameter's range and dtype)."""
         expected = model_parts(self.model, self.sharding, self.optimizer)
         for h in state_holders(self.model, self.optimizer, self.sharding):
             local = h.flat(h.tensor)
@@ -134,11 +136,17 @@ class Checkpointer:
                 expected.append(Part(state_key(h.name, what), h.numel, h.start,
                                      torch.empty(local.shape, dtype=local.dtype,
                                                  device="meta"), replicated=h.replicated))
-        for part in expected:
-            mine = part.to_write(self.rank, self.world_size)
-            if mine is not None and mine.key not in self._buffers:
-                self._buffers[mine.key] = torch.empty(mine.data.shape, dtype=mine.data.dtype,
-                                                      pin_memory=True)
+        mine = [part.to_write(self.rank, self.world_size) for part in expected]
+        return [(p.key, p.data.shape, p.data.dtype) for p in mine if p is not None]
+
+    def _make_buffers(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        """Pinned buffers of these shapes (what fails here is made again at the save)."""
+        try:
+            for key, shape, dtype in expected:
+                self._buffers.setdefault(key, torch.empty(shape, dtype=dtype,
+                                                          pin_memory=True))
+        except (RuntimeError, MemoryError):
+            pass
 
     def _stage(self, parts: list[Part]) -> list[Part]:
         """Copies of ``parts`` in CPU memory (pinned on CUDA; buffers reused across saves),

@@ -263,22 +263,29 @@ class TransformerLM(nn.Module):
                  activation_checkpointing: str = "none") -> None:
         super().__init__()
         self.config = config.validate()
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, device=device)
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model, device=device)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        # Built without storage, then given empty storage on the device and initialised
+        # there once (reset_parameters): no default initialisation on the CPU first,
+        # which took seconds per billion parameters before a run's first step.
+        with torch.device("meta"):
+            self._build(config)
+        self.to_empty(device=device if device is not None else "cpu")
+        if config.tie_embeddings:  # after to_empty, which gives each module its own tensor
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters(seed)
         self.activation_checkpointing = activation_checkpointing
         # The compiled embedding and head of compile_regions (None: the plain methods).
         self._compiled_embed: Callable | None = None
         self._compiled_head: Callable | None = None
         self.regions_compiled = False
         """Whether :meth:`compile_regions` has compiled the model."""
+
+    def _build(self, config: ModelConfig) -> None:
+        """The modules, in registration order (their storage comes later)."""
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm_f = make_norm(config.norm, config.d_model, config.eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
-        if device is not None:
-            self.to(device)
-        self.reset_parameters(seed)
 
     @property
     def activation_checkpointing(self) -> str:

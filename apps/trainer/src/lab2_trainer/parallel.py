@@ -307,7 +307,23 @@ def _compress_hook(reduce_dtype: torch.dtype | None) -> Any:
 
 
 # ------------------------------------------------------------------------------ zero
-class Zero(Parallel):
+class _OptimizerReduces(Parallel):
+    """What zero and zero3 share: zero1's optimizer averages the gradients itself, so it
+    holds the averaged gradients (the model's ``.grad`` are not) and does the step's
+    communication."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.optimizer.no_sync()
+
+    def finish(self) -> None:
+        self.optimizer.finish_gradient_synchronization()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        # The averaged gradients are the optimizer's shards (one scalar all-reduce).
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
+
+
+class Zero(_OptimizerReduces):
     """zero1's ShardedOptimizer averages the gradients itself (zero1, zero2: stage 1 or
     2), reduce-scattering them in buckets during backward; no DDP wrapper."""
 
@@ -326,17 +342,6 @@ class Zero(Parallel):
             bucket_rule=options.bucket_rule, **options.adamw())
         return cls(model, optimizer, compiled, sharding=sharding)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.optimizer.no_sync()
-
-    def finish(self) -> None:
-        self.optimizer.finish_gradient_synchronization()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        # The model's .grad are not the averaged gradients: the optimizer's shards are (one
-        # scalar all-reduce).
-        return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
-
     @property
     def gradient_order(self) -> list[int] | None:
         # The order ShardedOptimizer's buckets follow after the first step.
@@ -347,7 +352,7 @@ class Zero(Parallel):
 
 
 # ----------------------------------------------------------------------------- zero3
-class Zero3(Parallel):
+class Zero3(_OptimizerReduces):
     """zero1's stage 3 (zero3): ``zero1.shard_model`` with every transformer block a unit
     and the root holding the rest (FSDP2's layout), gathering each unit before its
     forward and backward and reduce-scattering its gradients after; ``Stage3Optimizer``
@@ -364,16 +369,6 @@ class Zero3(Parallel):
         optimizer = Stage3Optimizer(param_groups(model, options.weight_decay),
                                     torch.optim.AdamW, **options.adamw())
         return cls(model, optimizer, compiled, sharding=sharding)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.optimizer.no_sync()
-
-    def finish(self) -> None:
-        self.optimizer.finish_gradient_synchronization()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        # The averaged gradients are the optimizer's shards (one scalar all-reduce).
-        return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
 
     def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:
         from zero1 import sharding_of

@@ -1,22 +1,11 @@
-"""Arithmetic on the model's shape, without torch: parameter counts, FLOPs per token and the
-bytes of the training state. The planner (:mod:`lab2_trainer.plan`), the checks before a
-run (:mod:`lab2_trainer.validate_inputs`) and the report (:mod:`lab2_trainer.report`) all
-count with these functions, on Python integers (no overflow, however absurd the sizes).
+"""Arithmetic on the model's shape, without torch, on Python integers: parameter counts,
+FLOPs per token and the bytes of the training state. The planner, the checks before a run
+and the report all count with it.
 
-**Parameters**, as :class:`lab2_trainer.model.TransformerLM` builds them: the token and
-position tables, per block two norms, attention's qkv and output matrices and the
-feed-forward's two (GELU) or three (SwiGLU) matrices, the final norm and the LM head (none
-when tied to the token table).
-
-**FLOPs per token** of a training step (forward and backward), as in the PaLM paper's
-appendix B: ``6 N + 12 n_layers d_model context_length``, where ``N`` counts the
-parameters that take part in a matrix product (all but the two embedding tables, which are
-lookups; the LM head once, even when tied) and the second term is attention's own products.
-A forward alone is a third. Activation checkpointing recomputes a block's forward:
-``2 N_block + 4 d_model context_length`` per recomputed block and token (hardware FLOPs).
-
-**Training state**: fp32 weights (4 bytes a parameter), gradients (4) and AdamW's two
-moments (8), sharded as the sharding kind shards them.
+FLOPs per token of a training step are the PaLM paper's (appendix B):
+``6 N + 12 n_layers d_model context_length``, ``N`` the parameters that take part in a
+matrix product (not the embedding tables, which are lookups) and the second term
+attention's own products; a forward is a third. A recomputed block adds its forward.
 """
 
 from __future__ import annotations

@@ -13,13 +13,10 @@ from the optimizer or from the sharded gradients). Each rank's loss is the mean 
 equal slice, and the averaging across ranks then gives the mean over the global batch: the
 same as one process on the whole batch.
 
-Which thread runs ``backward()`` (:func:`backward_thread`): by default autograd runs the
-backward of CUDA tensors on a worker thread per device while the calling thread waits. A
-rank of this trainer drives one device, so the worker gains nothing; and Python code inside
-backward (a Python ``autograd.Function``'s backward, such as tritonnorm's, and gradient
-hooks, such as minddp's) runs there on a thread whose caches hold none of the interpreter's
-state, after a hand-over each way. The trainer therefore runs backward on the caller
-(the measurement: the README's ``--backward-thread`` section links the record).
+Backward runs on the calling thread by default (:func:`backward_thread`): a rank drives
+one device, so autograd's worker thread only adds a hand-over, and Python inside backward
+(tritonnorm's backward, minddp's hooks) runs slower there (the README's
+``--backward-thread`` section links the record).
 """
 
 from __future__ import annotations

@@ -218,7 +218,11 @@ class Stage3Optimizer(Optimizer):
         grads = self.shard_gradients()
         device = self._shardings[0].units[0].shard.device
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=wide) for g in grads]
+        # One kernel over all the pieces where foreach norms exist (a launch per piece else).
+        if grads and hasattr(torch, "_foreach_norm") and all(g.dtype == wide for g in grads):
+            norms = list(torch._foreach_norm(grads, norm_type))
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type, dtype=wide) for g in grads]
         if norm_type == float("inf"):
             total = torch.stack(norms).max() if norms else torch.zeros((), dtype=wide,
                                                                        device=device)
@@ -232,8 +236,11 @@ class Stage3Optimizer(Optimizer):
         if norm_type != float("inf"):
             total = total.pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if grads and all(g.dtype == grads[0].dtype for g in grads):
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        else:
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
