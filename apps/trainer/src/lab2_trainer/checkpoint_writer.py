@@ -187,8 +187,10 @@ class Checkpointer:
         # by rank 0 only after every rank has planned.
         (folder / ".metadata").unlink(missing_ok=True)
         writer = FileSystemWriter(str(folder), thread_count=1, sync_files=True)
-        metadata = write_parts(staged, writer, self.group)
-        names = sorted({info.relative_path for info in metadata.storage_data.values()})
+        write_parts(staged, writer, self.group)
+        # The files of this step, from the folder itself: the metadata DCP returns does not
+        # list them on every torch (its storage_data is None on some releases).
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
         if self.rank == 0:
             names.append(".metadata")
         files = {name: file_crc(folder / name) for name in names[self.rank::self.world_size]}

@@ -194,16 +194,8 @@ class SumPartialsConsts(NamedTuple):
     BLOCK_C: int
 
 
-class FwdLoopedArgs(NamedTuple):
-    X: T
-    W: T
-    Y: T
-    RSTD: T
-    n_rows: int
-    n_cols: int
-    stride_x: int
-    stride_y: int
-    eps: float
+# The looped forward kernel takes the reread one's arguments (its constants differ).
+FwdLoopedArgs = FwdRereadArgs
 
 
 class FwdLoopedConsts(NamedTuple):
