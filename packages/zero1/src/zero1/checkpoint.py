@@ -6,7 +6,8 @@ in order, keys ``state`` by those numbers, and lists them under each group's
 ``params``. A shard's local optimizer numbers only its own parameters; these helpers
 translate with the list ``local_to_global`` (the global number of each local one).
 
-``ShardedOptimizer.load_state_dict`` runs the checks (:func:`check_state_dict`,
+``ShardedOptimizer`` and ``Stage3Optimizer`` share :func:`gather_full_state` and
+:func:`load_full_state`; loading runs the checks (:func:`check_state_dict`,
 :func:`dry_run_load`) first, so that a state dict of the wrong type, of another layout or
 of another optimizer (SGD's state into AdamW) is refused with a clear error and the
 optimizer stays exactly as it was, still usable. They need only the parameters' shapes,
@@ -16,10 +17,11 @@ starts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .param_groups import PARAM_KEYS, hyperparameters
 
@@ -306,3 +308,101 @@ def dry_run_load(
             f"{who}: {optimizer_cls.__name__} cannot load this state ({type(exc).__name__}: "
             f"{exc}); the optimizer is unchanged"
         ) from exc
+
+
+# ------------------------------------------------------------------ gathering and loading
+def gather_full_state(
+    local_state: Mapping[torch.Tensor, Any],
+    numbered: Sequence[tuple[int, Any]],
+    param_groups: Sequence[Mapping[str, Any]],
+    to: Any,
+    *,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    global_rank: Callable[[int], int],
+    who: str,
+) -> dict[int, Any] | None:
+    """Gather every rank's piece state onto rank ``to`` and merge it (collective; tensors
+    on the CPU): the full ``state`` on rank ``to``, None on the others.
+
+    Args:
+        local_state: this rank's local optimizer ``state``.
+        numbered: ``(global parameter number, piece)`` of every piece this rank holds.
+        param_groups: the optimizer's groups (every parameter, for their shapes).
+        to: the rank in ``group`` that receives the state (checked here).
+        rank, world_size: this process's rank in ``group`` and the group's size.
+        group: the process group (None: the default one).
+        global_rank: the global rank of a rank in ``group``.
+        who: the class named in messages (e.g. "ShardedOptimizer").
+
+    Raises:
+        ValueError: ``to`` is not a rank in the group.
+    """
+    if not isinstance(to, int) or not 0 <= to < world_size:
+        raise ValueError(f"{who}.consolidate_state_dict: to must be a rank in "
+                         f"[0, {world_size}), got {to!r}")
+    shard = state_of_pieces(local_state, numbered)
+    if world_size == 1:
+        shards: Any = [shard]
+    else:
+        shards = [None] * world_size if rank == to else None
+        dist.gather_object(shard, shards, dst=global_rank(to), group=group)
+    if rank != to:
+        return None
+    params = [p for g in param_groups for p in g["params"]]
+    return merge_pieces(shards, [p.shape for p in params])
+
+
+def load_full_state(
+    state_dict: Mapping[str, Any],
+    param_groups: Sequence[dict[str, Any]],
+    defaults: Mapping[str, Any],
+    local: torch.optim.Optimizer,
+    pieces_by_group: Sequence[Sequence[tuple[int, Any]]],
+    *,
+    who: str,
+) -> None:
+    """Load a full state dict into a sharded optimizer: check it whole
+    (:func:`check_state_dict`, :func:`dry_run_load`), load this rank's pieces of it into
+    the local optimizer (put back as it was if that fails), then copy the saved
+    hyperparameters into ``param_groups``. Changes nothing unless it all fits.
+
+    Args:
+        state_dict: a full state dict (ours after consolidation, or a plain optimizer's).
+        param_groups: the sharded optimizer's groups (every parameter; updated in place).
+        defaults: the sharded optimizer's ``defaults``.
+        local: the local optimizer that steps this rank's pieces.
+        pieces_by_group: for each group, ``(position in the group, piece)`` of what this
+            rank steps, in local order.
+        who: the class named in messages (e.g. "Stage3Optimizer").
+
+    Raises:
+        TypeError: not a state dict, or parts of it of the wrong type.
+        ValueError: another layout or optimizer, or state the optimizer cannot load.
+    """
+    optimizer_cls = type(local)
+    name = f"{who}.load_state_dict"
+    check_state_dict(state_dict, param_groups, defaults, optimizer_name=optimizer_cls.__name__,
+                     optimizer_cls=optimizer_cls, who=name)
+    dry_run_load(state_dict, param_groups, defaults, optimizer_cls, who=name)
+    shard = select_pieces(state_dict, pieces_by_group)
+    saved_hyperparameters = [hyperparameters(g) for g in state_dict["param_groups"]]
+    before = {k: local.__dict__[k] for k in ("state", "param_groups")}
+    try:
+        local.load_state_dict(shard)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        # torch.optim may have replaced the state before failing: put it back.
+        local.__dict__.update(before)
+        raise ValueError(
+            f"{name}: {optimizer_cls.__name__} cannot load this state "
+            f"({type(exc).__name__}: {exc}); the optimizer is unchanged"
+        ) from exc
+    except BaseException:
+        local.__dict__.update(before)
+        raise
+    for group, saved in zip(param_groups, saved_hyperparameters):
+        params = group["params"]
+        group.clear()
+        group.update(saved)
+        group["params"] = params

@@ -135,6 +135,15 @@ def check_distinct_and_colocated(
         )
 
 
+def normalize_new_group(param_group: Any, param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`normalize_group` for ``add_param_group``: also rejects a parameter already in
+    ``param_groups`` (the optimizer's groups), or on another device than theirs."""
+    group = normalize_group(param_group)
+    existing = [p for g in param_groups for p in g["params"]]
+    check_distinct_and_colocated(group["params"], existing)
+    return group
+
+
 class ParameterMismatchError(ModelMismatchError, ValueError):
     """Ranks passed parameters that differ: in number, shape, dtype, ``requires_grad`` or
     initial values (a :class:`minddp.ModelMismatchError`, and a ``ValueError``)."""

@@ -22,7 +22,8 @@ from minddp import validate_bucket_rule, validate_bucket_size_mb
 from .buckets import COLLECTIVES, Piece, ShardedBuckets
 from .checkpoint import (
     check_state_dict,
-    dry_run_load,
+    gather_full_state,
+    load_full_state,
     merge_pieces,
     pack_param_groups,
     select_pieces,
@@ -34,7 +35,7 @@ from .param_groups import (
     check_distinct_and_colocated,
     check_same_on_every_rank,
     hyperparameters,
-    normalize_group,
+    normalize_new_group,
     normalize_param_groups,
 )
 
@@ -393,9 +394,7 @@ class ShardedOptimizer(Optimizer):
             # Optimizer.__init__ registering the groups we prepared.
             super().add_param_group(param_group)
             return
-        group = normalize_group(param_group)
-        existing = [p for g in self.param_groups for p in g["params"]]
-        check_distinct_and_colocated(group["params"], existing)
+        group = normalize_new_group(param_group, self.param_groups)
         check_same_on_every_rank(self._info, [group["params"]], "add_param_group")
         loads_before, owners_before = list(self._loads), len(self._owners)
         pieces = self._shard([group])[0]
@@ -557,22 +556,10 @@ class ShardedOptimizer(Optimizer):
             to: the rank in the sharding group that receives the state.
         """
         info = self._info
-        if not isinstance(to, int) or not 0 <= to < info.world_size:
-            raise ValueError(
-                f"ShardedOptimizer.consolidate_state_dict: to must be a rank in "
-                f"[0, {info.world_size}), got {to!r}"
-            )
-        shard = state_of_pieces(self._local.state, self._numbered_pieces())
-        if info.world_size == 1:
-            shards: list[Any] = [shard]
-        else:
-            shards = [None] * info.world_size if info.rank == to else None  # type: ignore[assignment]
-            dist.gather_object(shard, shards, dst=info.global_ranks[to], group=info.group)
-        if info.rank == to:
-            params = [p for g in self.param_groups for p in g["params"]]
-            self._consolidated_state = merge_pieces(shards, [p.shape for p in params])
-        else:
-            self._consolidated_state = None
+        self._consolidated_state = gather_full_state(
+            self._local.state, self._numbered_pieces(), self.param_groups, to,
+            rank=info.rank, world_size=info.world_size, group=info.group,
+            global_rank=info.global_ranks.__getitem__, who="ShardedOptimizer")
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``optimizer_cls``'s format (only after consolidation).
@@ -625,32 +612,9 @@ class ShardedOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        check_state_dict(state_dict, self.param_groups, self.defaults,
-                         optimizer_name=self._optimizer_cls.__name__,
-                         optimizer_cls=self._optimizer_cls)
-        dry_run_load(state_dict, self.param_groups, self.defaults, self._optimizer_cls)
-        shard = select_pieces(state_dict, self._pieces)
-        saved_hyperparameters = [hyperparameters(g) for g in state_dict["param_groups"]]
-        local = self._local
-        before = {k: local.__dict__[k] for k in ("state", "param_groups")}
-        try:
-            local.load_state_dict(shard)
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            # torch.optim may have replaced the state before failing: put it back.
-            local.__dict__.update(before)
-            raise ValueError(
-                f"ShardedOptimizer.load_state_dict: {self._optimizer_cls.__name__} cannot load "
-                f"this state ({type(exc).__name__}: {exc}); the optimizer is unchanged"
-            ) from exc
-        except BaseException:
-            local.__dict__.update(before)
-            raise
-        self.state = local.state  # type: ignore[assignment]
-        for group, saved in zip(self.param_groups, saved_hyperparameters):
-            params = group["params"]
-            group.clear()
-            group.update(saved)
-            group["params"] = params
+        load_full_state(state_dict, self.param_groups, self.defaults, self._local,
+                        self._pieces, who="ShardedOptimizer")
+        self.state = self._local.state  # type: ignore[assignment]
         self._consolidated_state = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

@@ -23,19 +23,12 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .buckets import Piece
-from .checkpoint import (
-    check_state_dict,
-    dry_run_load,
-    merge_pieces,
-    pack_param_groups,
-    select_pieces,
-    state_of_pieces,
-)
+from .checkpoint import gather_full_state, load_full_state, pack_param_groups
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
     hyperparameters,
-    normalize_group,
+    normalize_new_group,
     normalize_param_groups,
 )
 from .stage3 import ShardedModel, Unit
@@ -139,9 +132,7 @@ class Stage3Optimizer(Optimizer):
         if getattr(self, "_constructing", False):
             super().add_param_group(param_group)
             return
-        group = normalize_group(param_group)
-        existing = [p for g in self.param_groups for p in g["params"]]
-        check_distinct_and_colocated(group["params"], existing)
+        group = normalize_new_group(param_group, self.param_groups)
         for p in group["params"]:
             sharded = _owner(p)[0]
             if all(s is not sharded for s in self._shardings):
@@ -287,22 +278,15 @@ class Stage3Optimizer(Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state onto rank ``to`` (collective; tensors on the CPU);
         then ``state_dict()`` there returns the full state until the next step."""
-        if not isinstance(to, int) or not 0 <= to < self.world_size:
-            raise ValueError(f"{_WHO}.consolidate_state_dict: to must be a rank in "
-                             f"[0, {self.world_size}), got {to!r}")
-        shard = state_of_pieces(self._local.state, self.numbered_pieces())
-        if self.world_size == 1:
-            shards: Any = [shard]
-        else:
-            group = self._shardings[0].group
-            shards = [None] * self.world_size if self.rank == to else None
-            dist.gather_object(shard, shards, dst=dist.get_global_rank(group, to)
-                               if group is not None else to, group=group)
-        if self.rank == to:
-            params = [p for g in self.param_groups for p in g["params"]]
-            self._consolidated = merge_pieces(shards, [p.shape for p in params])
-        else:
-            self._consolidated = None
+        group = self._shardings[0].group
+
+        def global_rank(r: int) -> int:
+            return dist.get_global_rank(group, r) if group is not None else r
+
+        self._consolidated = gather_full_state(
+            self._local.state, self.numbered_pieces(), self.param_groups, to,
+            rank=self.rank, world_size=self.world_size, group=group,
+            global_rank=global_rank, who=_WHO)
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``optimizer_cls``'s format (after consolidation, on that rank).
@@ -320,19 +304,10 @@ class Stage3Optimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (ours, stage 1/2's or a plain optimizer's), at any world
         size; every rank keeps its pieces' state. Checked whole first: raises and changes
-        nothing if it does not fit."""
-        check_state_dict(state_dict, self.param_groups, self.defaults,
-                         optimizer_name=self._optimizer_cls.__name__,
-                         optimizer_cls=self._optimizer_cls, who=f"{_WHO}.load_state_dict")
-        dry_run_load(state_dict, self.param_groups, self.defaults, self._optimizer_cls,
-                     who=f"{_WHO}.load_state_dict")
-        self._local.load_state_dict(select_pieces(state_dict, self._pieces))
+        nothing if it does not fit (a failing load puts the local optimizer back)."""
+        load_full_state(state_dict, self.param_groups, self.defaults, self._local,
+                        self._pieces, who=_WHO)
         self.state = self._local.state  # type: ignore[assignment]
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            params = group["params"]
-            group.clear()
-            group.update(hyperparameters(saved))
-            group["params"] = params
         self._consolidated = None
 
     def __repr__(self) -> str:
