@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 #: How a cap cuts buckets: "at_most" never lets a bucket pass the cap (a parameter that
 #: would push it past opens the next one); "reach" closes a bucket once it reaches the
