@@ -385,8 +385,6 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
     """
     import torch
 
-    from lab2_trainer.parallel import param_groups
-
     model = shape_model(settings.model)
     expected = model.state_dict()
     saved = ckpt["model"]
@@ -400,13 +398,10 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise UsageError(f"checkpoint {path}: model tensor {name} is {got}, the model "
                              f"needs {list(expected[name].shape)}")
-    extra = sorted(set(saved) - set(expected))
-    if extra:
-        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+    _refuse_extra(saved, expected, path)
     from zero1.checkpoint import check_state_dict, dry_run_load
 
-    opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
-                            betas=(settings.beta1, settings.beta2), eps=1e-8)
+    opt = _adamw_like_the_run(model, settings)
     try:
         check_state_dict(ckpt["optimizer"], opt.param_groups, opt.defaults,
                          optimizer_name="AdamW", optimizer_cls=torch.optim.AdamW,
@@ -432,7 +427,6 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lab2_trainer.parallel import param_groups
     from lab2_trainer.sharded_checkpoint import MOMENTS, model_key, parameter_names, state_key
 
     model = shape_model(settings.model)
@@ -452,13 +446,10 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
             raise UsageError(f"checkpoint {path}: tensor {key} is {md.properties.dtype} of "
                              f"{list(md.size)} elements; the model needs a floating tensor of "
                              f"{numel}")
-    extra = sorted(set(tensors) - set(sizes))
-    if extra:
-        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+    _refuse_extra(tensors, sizes, path)
     from zero1.checkpoint import check_state_dict
 
-    opt = torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
-                            betas=(settings.beta1, settings.beta2), eps=1e-8)
+    opt = _adamw_like_the_run(model, settings)
     groups = {"state": {}, "param_groups": small["optimizer_groups"]}
     try:
         check_state_dict(groups, opt.param_groups, opt.defaults, optimizer_name="AdamW",
@@ -467,6 +458,23 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
         raise UsageError(f"checkpoint {path}: {exc}") from None
     _check_adamw_content(groups, opt.param_groups, settings, path)
     _check_run_state(small, settings, path, len(list(model.parameters())))
+
+
+def _refuse_extra(saved: Any, expected: Any, path: Any) -> None:
+    """A checkpoint tensor the model does not have is named, the first in sorted order."""
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+
+
+def _adamw_like_the_run(model: Any, settings: Any) -> Any:
+    """The run's AdamW over ``model`` (its groups and hyperparameters), for the checks."""
+    import torch
+
+    from lab2_trainer.parallel import param_groups
+
+    return torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
+                             betas=(settings.beta1, settings.beta2), eps=1e-8)
 
 
 def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
