@@ -7,8 +7,11 @@ a background thread, while the next steps train:
 
 1. ``torch.distributed.checkpoint.save`` of the copies into ``<out>/ckpt/step-N/``, its
    collectives on a Gloo process group of its own (never the training group, whose
-   collectives the main thread issues meanwhile);
-2. each rank checksums its share of the files written; rank 0 writes ``trainer.pt``;
+   collectives the main thread issues meanwhile), each rank writing up to ``threads``
+   files with as many threads (one per :data:`BYTES_PER_THREAD` of its part): one thread
+   does not keep a disk busy (``docs/benchmarks/2026-12-03-h200-checkpoint-io.md``);
+2. each rank checksums its share of the files written, ``threads`` files at a time;
+   rank 0 writes ``trainer.pt``;
 3. rank 0 gathers the checksums and writes the manifest, last and atomically, then
    removes the step folders beyond ``--keep-last``.
 
@@ -24,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,11 @@ from lab2_trainer.sharded_checkpoint import (
 )
 
 
+#: A rank's part gets one writer thread (and file) per this many bytes, up to ``threads``:
+#: small checkpoints stay one file per rank.
+BYTES_PER_THREAD = 256 << 20
+
+
 class Checkpointer:
     """Writes this rank's part of the run's checkpoints (create it on every rank, at the
     same point: it makes a process group).
@@ -62,16 +71,18 @@ class Checkpointer:
         device: the rank's device (CUDA: the copies go to pinned memory).
         asynchronous: write in the background.
         keep_last: complete checkpoints kept (0: all).
+        threads: writer threads (and files) per rank.
     """
 
     def __init__(self, out: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, sharding: str, device: torch.device, *,
-                 asynchronous: bool = True, keep_last: int = 1) -> None:
+                 asynchronous: bool = True, keep_last: int = 1, threads: int = 8) -> None:
         self.root = Path(out) / CKPT_DIR
         self.model, self.optimizer, self.sharding = model, optimizer, sharding
         self.device = device
         self.asynchronous = asynchronous
         self.keep_last = keep_last
+        self.threads = threads
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -186,14 +197,18 @@ class Checkpointer:
         # write): its old metadata goes first, on every rank. Safe: the new one is written
         # by rank 0 only after every rank has planned.
         (folder / ".metadata").unlink(missing_ok=True)
-        writer = FileSystemWriter(str(folder), thread_count=1, sync_files=True)
+        nbytes = sum(p.data.numel() * p.data.element_size() for p in staged)
+        threads = max(1, min(self.threads, nbytes // BYTES_PER_THREAD))
+        writer = FileSystemWriter(str(folder), thread_count=threads, sync_files=True)
         write_parts(staged, writer, self.group)
         # The files of this step, from the folder itself: the metadata DCP returns does not
         # list them on every torch (its storage_data is None on some releases).
         names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
         if self.rank == 0:
             names.append(".metadata")
-        files = {name: file_crc(folder / name) for name in names[self.rank::self.world_size]}
+        mine = names[self.rank::self.world_size]
+        with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
+            files = dict(zip(mine, pool.map(file_crc, [folder / n for n in mine])))
         if self.rank == 0:
             files[TRAINER_STATE] = save_trainer_state(folder, trainer_state)
             if ".metadata" not in files:

@@ -404,6 +404,9 @@ class TrainSettings:
     ckpt_async: bool = setting(True, group="outputs")
     """Write checkpoints in the background while training goes on (the step waits only
     for a copy to CPU memory)."""
+    ckpt_threads: int = setting(8, group="outputs", metavar="N")
+    """Threads (and files) each rank writes its part of a checkpoint with; the manifest's
+    checksums are taken by as many."""
     eval_every: int = setting(50, group="outputs")
     """Validate every N steps (0: only at the end)."""
     eval_batches: int = setting(8, group="outputs")
@@ -474,6 +477,7 @@ class TrainSettings:
         for name in ("ckpt_every", "eval_every", "keep_last"):
             _integer(flag(name), getattr(self, name), 0)
         _integer(flag("eval_batches"), self.eval_batches, 1)
+        _integer(flag("ckpt_threads"), self.ckpt_threads, 1)
         _integer(flag("log_every"), self.log_every, 1)
         _integer(flag("sample_tokens"), self.sample_tokens, 0)
         if self.profile_steps is not None:

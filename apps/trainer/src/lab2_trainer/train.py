@@ -43,7 +43,7 @@ from lab2_trainer.data import (
     unigram_entropy,
 )
 from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM, selective_kind
+from lab2_trainer.model import TransformerLM, selective_kind, warm_compiler
 from lab2_trainer.parallel import fused_adamw_available, parallelize
 from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.rank0_alone import rank0_alone
@@ -187,7 +187,13 @@ class Trainer:
         self.ctx = ctx
         s = settings
         check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
+        if s.compile:
+            # The compiler's worker processes start now, while the data and the model are
+            # made, instead of at the first block's compilation.
+            warm_compiler(s.compile_backend)
+            self.clock.mark("compiler workers")
         self.corpus = load_corpus(s.data, s.vocab_size)
+        self.clock.mark("data")
         # A single-file checkpoint is loaded whole here; a sharded one (a step folder) by
         # every rank into its own part once the model is set up (load_folder).
         resume = resolve_checkpoint(s.resume) if s.resume else None
@@ -195,8 +201,10 @@ class Trainer:
         ckpt = None
         if resume is not None:
             ckpt = load_trainer_state(resume) if sharded else load_checkpoint(resume)
+            self.clock.mark("checkpoint")
         self.model = TransformerLM(s.model, seed=s.seed, device=ctx.device,
                                    activation_checkpointing=s.activation_checkpointing)
+        self.clock.mark("model")
         if ckpt is not None and not sharded:
             try:
                 self.model.load_state_dict(ckpt["model"])
@@ -216,6 +224,7 @@ class Trainer:
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward)
+        self.clock.mark("parallelize")
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
         self.optimizer = self.parallel.optimizer
@@ -233,14 +242,17 @@ class Trainer:
             load_folder(resume, self.model, self.optimizer, s.sharding)
         if ckpt is not None:
             self._restore(ckpt)
+            self.clock.mark("checkpoint")
         # Every rank, here (it makes the writer's process group).
         self.checkpointer = Checkpointer(s.out, self.model, self.optimizer, s.sharding,
                                          ctx.device, asynchronous=s.ckpt_async,
-                                         keep_last=s.keep_last)
+                                         keep_last=s.keep_last, threads=s.ckpt_threads)
+        self.clock.mark("checkpoint writer")
         # After the restore, so it starts from the checkpoint's position in the stream.
         self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
                                   ctx.device)
         self.peak = device_peak(ctx.device)
+        self.clock.mark("batches")
 
     def set_gradient_order(self, order: list[int] | None) -> None:
         try:

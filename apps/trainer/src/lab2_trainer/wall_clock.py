@@ -26,6 +26,11 @@ wait for the steps' results), so every second between the start and
 
 **Goodput** is ``training`` over the wall clock, in (0, 1].
 
+Start-up is itself split where the trainer marks it (:meth:`WallClock.mark`): ``launch``
+(from the command to the clock's creation: interpreter, imports, spawning the ranks, the
+process group), then one part per mark (``data``, ``model``, ...) and ``rest``, what
+followed the last mark, so that a slow start says which part of it was slow.
+
 :func:`checkpoint_stall` is the one hook the checkpoint code needs: it wraps the part of a
 save (or of the wait for an asynchronous one) that blocks the training loop, and counts it
 as ``checkpoint`` on the clock that is running (:meth:`WallClock.active`). Nested calls
@@ -91,10 +96,20 @@ class WallClock:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         if start is not None:
             self.seconds["startup"] = max(0.0, time.time() - start)
+        self.startup_parts = {"launch": self.seconds["startup"]}
         self.current = "startup"
-        self._since = time.perf_counter()
+        self._since = self._marked = time.perf_counter()
         self._compiled_in = dict.fromkeys(PHASES, 0.0)  # carved out of a phase by split
         self._thread = threading.get_ident()
+
+    def mark(self, part: str) -> None:
+        """Name ``part`` the start-up time since the last mark (or the clock's creation);
+        nothing once start-up is over."""
+        if self.current != "startup":
+            return
+        now = time.perf_counter()
+        self.startup_parts[part] = self.startup_parts.get(part, 0.0) + now - self._marked
+        self._marked = now
 
     def switch(self, phase: str) -> str:
         """Count the time since the last switch to the current phase and enter ``phase``;
@@ -102,6 +117,8 @@ class WallClock:
         if phase not in SWITCHED:
             raise ValueError(f"phase must be one of {', '.join(SWITCHED)} (compilation is "
                              f"carved out of training); got {phase!r}")
+        if self.current == "startup":
+            self.mark("rest")  # what followed the last mark: start-up's parts add up
         now = time.perf_counter()
         self.seconds[self.current] += now - self._since
         self._since = now
@@ -156,6 +173,7 @@ class WallClock:
         out: dict[str, Any] = {"wall_s": wall}
         out.update({f"{name}_s": parts[name] for name in PHASES})
         out["goodput"] = parts["training"] / wall if wall > 0 else None
+        out["startup_parts_s"] = dict(self.startup_parts)
         return out
 
 
