@@ -149,10 +149,18 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse
     return args
 
 
+def kind_of(name: str) -> str:
+    """The variant ``name`` measures: ``NAME#2`` (any tag after ``#``) is ``NAME`` measured
+    again under its own label, in the same rounds: the A/A control of a comparison."""
+    return name.split("#", 1)[0]
+
+
 def check_names(p: argparse.ArgumentParser, what: str, names: Iterable[str],
                 known: Iterable[str]) -> list[str]:
     names, known = list(names), list(known)
-    bad = [n for n in names if n not in known]
+    bad = [n for n in names if kind_of(n) not in known]
+    if len(set(names)) != len(names):
+        p.error(f"a {what} is named twice; name its A/A control NAME#2")
     if bad:
         p.error(f"unknown {what}(s) {', '.join(bad)}; choose from {', '.join(known)}")
     return names

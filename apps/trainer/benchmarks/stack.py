@@ -5,7 +5,7 @@
         --preset small,medium --batch-size 8 --context-length 512 [--compile]
     python apps/trainer/benchmarks/stack.py --device cuda --world-size 1 --precision bf16 \
         --preset xl --batch-size 32 --context-length 512 --compile \
-        --variants ours-zero3,ours-fsdp     # zero3 beside FSDP2, interleaved
+        --variants ours-zero3,ours-fsdp,ours-fsdp#2  # zero3 beside FSDP2 and its A/A control
 
 Stacks (norm layer, ``harness.SHARDINGS`` kind, DDP wrapper): ``ours`` (tritonnorm +
 ``--sharding zero1``, the trainer's default on several ranks), ``ours-zero2``,
@@ -56,7 +56,7 @@ def stack_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, 
     bases = {side: harness.base_model(spec, norm=norm_of(side)) for side in ("ours", "pytorch")}
 
     def build(name: str):
-        side, kind, ddp = STACKS[name]
+        side, kind, ddp = STACKS[harness.kind_of(name)]
         sharding, kind_ddp, reshard = harness.SHARDINGS[kind]
         return harness.setup(harness.fresh_copy(bases[side], device), sharding, device,
                              ddp=ddp if ddp and kind_ddp != "none" else kind_ddp,
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             s = summary[name]
             tps = tokens / (s["step_ms"] / 1e3)
             out.add({"preset": preset, "params_M": per_rank[0]["params"] / 1e6,
-                     "variant": name, "norm": norm_of(STACKS[name][0]),
-                     "sharding": STACKS[name][1], **harness.labels(args),
+                     "variant": name, "norm": norm_of(STACKS[harness.kind_of(name)][0]),
+                     "sharding": STACKS[harness.kind_of(name)][1], **harness.labels(args),
                      "bucket_mb": args.bucket_mb, "compiled": compiled,
                      "bucket_rule": args.bucket_rule},
                     {**s, "tokens_per_s": tps, "ratio_to_pytorch": ref_ms / s["step_ms"],

@@ -10,7 +10,8 @@ Variants (``harness.SHARDINGS``), each set up by the trainer's ``parallelize``: 
 2), ``zero1-allreduce`` (PyTorch DDP, then ``ShardedOptimizer`` broadcasts its shards),
 ``torch_zero`` (PyTorch DDP + ``ZeroRedundancyOptimizer``), ``zero3`` / ``zero3-keep``
 (``zero1.shard_model`` + ``Stage3Optimizer``) and ``fsdp`` / ``fsdp-keep`` (FSDP2), each with
-``reshard_after_forward`` True / False.
+``reshard_after_forward`` True / False. ``NAME#2`` measures NAME again under its own label,
+in the same rounds: the A/A control that says how much of a ratio is noise.
 
 On each variant's first step: the peak of set-up, of forward+backward and of the step
 (``lab2bench.peak_memory``; on the CPU the sampled resident set, whose ``*_increase_MiB`` is
@@ -30,11 +31,12 @@ import harness
 MIB = harness.MIB
 COLUMNS = ["preset", "variant", "sent_per_step_MiB", "sent_vs_params", "grad_MiB",
            "optim_state_MiB", "held_vs_adamw", "before_step_peak_MiB", "after_step_peak_MiB",
-           "step_ms", "step_std_ms", "optimizer_ms", "ratio_to_torch_zero"]
+           "step_ms", "step_std_ms", "step_median_ms", "optimizer_ms", "ratio_to_torch_zero",
+           "ratio_to_fsdp"]
 
 
 def build(name: str, base, device):
-    sharding, ddp, reshard = harness.SHARDINGS[name]
+    sharding, ddp, reshard = harness.SHARDINGS[harness.kind_of(name)]
     return harness.setup(harness.fresh_copy(base, device), sharding, device, ddp=ddp,
                          reshard=reshard)
 
@@ -110,6 +112,7 @@ def add_rows(out: harness.Output, args, preset: str, per_rank: list[dict[str, An
         return max(r[name]["first_step"][when][part] for r in per_rank)
 
     ref_ms = summary["torch_zero"]["step_ms"] if "torch_zero" in summary else None
+    fsdp_ms = summary["fsdp"]["step_ms"] if "fsdp" in summary else None
     adamw_held = max(held_sum("adamw", "after_step_held")) if "adamw" in names else None
     r0 = per_rank[0]
     for name in names:
@@ -135,7 +138,8 @@ def add_rows(out: harness.Output, args, preset: str, per_rank: list[dict[str, An
                  "held_vs_adamw": (max(held_sum(name, "after_step_held")) / adamw_held
                                    if adamw_held else None),
                  **mem, "memory_source": fs["after_step"]["source"], **summary[name],
-                 "ratio_to_torch_zero": summary[name]["step_ms"] / ref_ms if ref_ms else None})
+                 "ratio_to_torch_zero": summary[name]["step_ms"] / ref_ms if ref_ms else None,
+                 "ratio_to_fsdp": summary[name]["step_ms"] / fsdp_ms if fsdp_ms else None})
 
 
 def main(argv: list[str] | None = None) -> int:

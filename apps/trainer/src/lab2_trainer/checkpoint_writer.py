@@ -90,13 +90,6 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self._buffers: dict[str, torch.Tensor] = {}
         self._prepare: threading.Thread | None = None
-        if device.type == "cuda":
-            # Pinned memory takes seconds to allocate: the buffers are made meanwhile (their
-            # shapes are read here, before any step moves the parameters).
-            self._prepare = threading.Thread(target=self._make_buffers,
-                                             args=(self._expected(),),
-                                             name="checkpoint-buffers", daemon=True)
-            self._prepare.start()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.stalls: list[float] = []  # seconds training waited, per save
@@ -104,13 +97,29 @@ class Checkpointer:
         self.saved: list[Path] = []  # folders completed by this process
 
     # ------------------------------------------------------------------------ saving
+    def prepare(self) -> None:
+        """Start making, in the background, the pinned buffers that saves copy into (CUDA
+        only; nothing once started).
+
+        Pinned memory takes seconds to allocate (about 14 s for 23.6 GB on an H200's
+        host), and the allocation holds the interpreter lock, so call this once the first
+        step is over: made during the first step, the buffers slowed its compilation
+        from about 20 s to 40 s at xl (``docs/benchmarks/2026-12-03-h200-goodput.md``).
+        A save before they are done waits for them.
+        """
+        if self.device.type != "cuda" or self._prepare is not None or self._buffers:
+            return
+        self._prepare = threading.Thread(target=self._make_buffers, args=(self._expected(),),
+                                         name="checkpoint-buffers", daemon=True)
+        self._prepare.start()
+
     def save(self, step: int, trainer_state: dict[str, Any] | None) -> float:
         """Save the model, AdamW's state and (on rank 0) ``trainer_state`` as step
         ``step``; every rank. Returns the seconds training stalled for it: waiting for
         the previous save, and the copy (and the write, in the foreground)."""
         start = time.perf_counter()
         self.report(self.wait())
-        if self._prepare is not None:  # the buffers being made at start-up
+        if self._prepare is not None:  # the buffers being made in the background
             self._prepare.join()
             self._prepare = None
         parts = []

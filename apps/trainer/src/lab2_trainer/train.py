@@ -342,6 +342,8 @@ class Trainer:
                 windows.append((len(pending), time.perf_counter() - window_start))
                 if first:
                     first_step_s = windows[-1][1]
+                    # Compilation is over: the checkpoint's pinned buffers are made now.
+                    self.checkpointer.prepare()
                 pending = []
                 records[-1]["wall_clock"] = clock.split(first_step_s, steady_step(windows))
                 for record in records:
