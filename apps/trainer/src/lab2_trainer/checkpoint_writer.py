@@ -2,14 +2,14 @@
 
 :meth:`Checkpointer.save` runs on every rank at a checkpoint step. Training stalls only
 for the copy of this rank's parts (:mod:`lab2_trainer.sharded_checkpoint`) into CPU
-memory (pinned on CUDA, allocated at the first save and reused); the write then runs on
-a background thread, while the next steps train:
+memory (pinned on CUDA, made a slice per step between steps, :meth:`Checkpointer.make_buffers`,
+and reused); the write then runs on a background thread, while the next steps train:
 
 1. ``torch.distributed.checkpoint.save`` of the copies into ``<out>/ckpt/step-N/``, its
    collectives on a Gloo process group of its own (never the training group, whose
    collectives the main thread issues meanwhile), each rank writing up to ``threads``
    files with as many threads (one per :data:`BYTES_PER_THREAD` of its part): one thread
-   does not keep a disk busy (``docs/benchmarks/2026-12-03-h200-checkpoint-io.md``);
+   does not keep a disk busy (``docs/benchmarks/2026-12-03-h200-goodput.md``);
 2. each rank checksums its share of the files written, ``threads`` files at a time;
    rank 0 writes ``trainer.pt``;
 3. rank 0 gathers the checksums and writes the manifest, last and atomically, then
@@ -56,6 +56,8 @@ from lab2_trainer.sharded_checkpoint import (
 )
 
 
+#: Seconds per step that :meth:`Checkpointer.make_buffers` spends making pinned buffers.
+BUFFER_BUDGET_S = 0.05
 #: A rank's part gets one writer thread (and file) per this many bytes, up to ``threads``:
 #: small checkpoints stay one file per rank.
 BYTES_PER_THREAD = 256 << 20
@@ -89,7 +91,7 @@ class Checkpointer:
         # DCP's collectives run here, on the writer thread, apart from training's.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self._buffers: dict[str, torch.Tensor] = {}
-        self._prepare: threading.Thread | None = None
+        self._pending: list[tuple[str, torch.Size, torch.dtype]] | None = None
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.stalls: list[float] = []  # seconds training waited, per save
@@ -97,21 +99,30 @@ class Checkpointer:
         self.saved: list[Path] = []  # folders completed by this process
 
     # ------------------------------------------------------------------------ saving
-    def prepare(self) -> None:
-        """Start making, in the background, the pinned buffers that saves copy into (CUDA
-        only; nothing once started).
+    def make_buffers(self, budget_s: float = BUFFER_BUDGET_S) -> None:
+        """Make some of the pinned buffers that saves copy into: for about ``budget_s``
+        seconds, then return (CUDA only; nothing once all are made). The trainer calls this
+        after each step from the second on, once the step's work is queued on the GPU.
 
-        Pinned memory takes seconds to allocate (about 14 s for 23.6 GB on an H200's
-        host), and the allocation holds the interpreter lock, so call this once the first
-        step is over: made during the first step, the buffers slowed its compilation
-        from about 20 s to 40 s at xl (``docs/benchmarks/2026-12-03-h200-goodput.md``).
-        A save before they are done waits for them.
+        Pinned memory is slow to allocate (about 14 s for xl's 23.6 GB on an H200's host),
+        and the allocation holds the CUDA driver: from a background thread it held up the
+        training thread's launches, and 49 steps took 22 s more than steady ones; during
+        the first step it doubled compilation (20 s to 40 s). A slice of it per step, while
+        the GPU runs the step queued before, costs the GPU nothing
+        (``docs/benchmarks/2026-12-03-h200-goodput.md``). A save makes what is still
+        missing.
         """
-        if self.device.type != "cuda" or self._prepare is not None or self._buffers:
+        if self.device.type != "cuda":
             return
-        self._prepare = threading.Thread(target=self._make_buffers, args=(self._expected(),),
-                                         name="checkpoint-buffers", daemon=True)
-        self._prepare.start()
+        if self._pending is None:  # the first call: what the saves will copy
+            self._pending = self._expected()
+        deadline = time.perf_counter() + budget_s
+        while self._pending and time.perf_counter() < deadline:
+            key, shape, dtype = self._pending.pop()
+            try:
+                self._buffers.setdefault(key, torch.empty(shape, dtype=dtype, pin_memory=True))
+            except (RuntimeError, MemoryError):  # made again, at the save
+                self._pending = []
 
     def save(self, step: int, trainer_state: dict[str, Any] | None) -> float:
         """Save the model, AdamW's state and (on rank 0) ``trainer_state`` as step
@@ -119,9 +130,6 @@ class Checkpointer:
         the previous save, and the copy (and the write, in the foreground)."""
         start = time.perf_counter()
         self.report(self.wait())
-        if self._prepare is not None:  # the buffers being made in the background
-            self._prepare.join()
-            self._prepare = None
         parts = []
         # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
         holders = state_holders(self.model, self.optimizer, self.sharding)
@@ -158,15 +166,6 @@ class Checkpointer:
                                                  device="meta"), replicated=h.replicated))
         mine = [part.to_write(self.rank, self.world_size) for part in expected]
         return [(p.key, p.data.shape, p.data.dtype) for p in mine if p is not None]
-
-    def _make_buffers(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> None:
-        """Pinned buffers of these shapes (what fails here is made again at the save)."""
-        try:
-            for key, shape, dtype in expected:
-                self._buffers.setdefault(key, torch.empty(shape, dtype=dtype,
-                                                          pin_memory=True))
-        except (RuntimeError, MemoryError):
-            pass
 
     def _stage(self, parts: list[Part]) -> list[Part]:
         """Copies of ``parts`` in CPU memory (pinned on CUDA; buffers reused across saves),

@@ -322,8 +322,12 @@ class Trainer:
                         self.parallel, self.batches.next(), precision=s.precision,
                         device=ctx.device, clip=s.clip, scaler=self.scaler,
                         backward_thread=s.backward_thread)
-                    # The GPU has this step's work queued: draw and send the next batch.
+                    # The GPU has this step's work queued: draw and send the next batch,
+                    # and (after the first step: not during compilation) make some of the
+                    # checkpoint's pinned buffers.
                     self.batches.prefetch()
+                    if self.step > start_step:
+                        self.checkpointer.make_buffers()
                     self.step += 1
                 if profiler is not None and profiler.due(self.step):
                     profiler.wait_for_device()  # the traced steps' own work: training
@@ -342,8 +346,6 @@ class Trainer:
                 windows.append((len(pending), time.perf_counter() - window_start))
                 if first:
                     first_step_s = windows[-1][1]
-                    # Compilation is over: the checkpoint's pinned buffers are made now.
-                    self.checkpointer.prepare()
                 pending = []
                 records[-1]["wall_clock"] = clock.split(first_step_s, steady_step(windows))
                 for record in records:
