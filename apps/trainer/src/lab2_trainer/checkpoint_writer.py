@@ -55,7 +55,6 @@ from lab2_trainer.sharded_checkpoint import (
     write_parts,
 )
 
-
 #: Seconds per step that :meth:`Checkpointer.make_buffers` spends making pinned buffers.
 BUFFER_BUDGET_S = 0.05
 #: A rank's part gets one writer thread (and file) per this many bytes, up to ``threads``:
