@@ -159,6 +159,8 @@ def test_2_integers_past_int64_are_refused(capsys, monkeypatch, tmp_path):
     for name in ("d-ff", "context-length", "vocab-size"):
         refused_here(capsys, monkeypatch, [*B, f"--{name}", big], tmp_path / name,
                      f"{name.replace('-', '_')} must be < 2**63")
+    refused_here(capsys, monkeypatch, [*B, "--ckpt-threads", "0"], tmp_path / "threads",
+                 "--ckpt-threads must be >= 1")
     # Inside int64, but the products overflow it: the memory check, by arithmetic.
     refused_here(capsys, monkeypatch, [*B, "--d-model", str(2**62)], tmp_path / "2**62",
                  "parameters", "of memory")

@@ -29,7 +29,7 @@ from lab2_trainer.plan import (
     plan,
     step_time,
 )
-from lab2_trainer.shapes import parameter_counts, training_state_parts
+from lab2_trainer.shapes import checkpoint_bytes, parameter_counts, training_state_parts
 from lab2_trainer.validate_inputs import shape_model
 
 torch.set_num_threads(1)
@@ -324,6 +324,7 @@ def test_plan_command_prints_a_table_and_json(capsys):
     out = capsys.readouterr().out
     assert "peak memory per GPU" in out and "step time" in out and "assumptions" in out
     assert "every strategy" in out
+    assert "no rank gathers a full copy" in out
     assert main(["plan", "--preset", "13B", "--nodes", "2", "--gpus-per-node", "8",
                  "--batch-size", "256", "--sharding", "fsdp", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -349,3 +350,18 @@ def test_plan_refuses_bad_input_in_one_line(capsys, argv, fragment):
     assert code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_is_twelve_bytes_a_parameter_and_no_rank_gathers_it(capsys):
+    # xl on the byte corpus: 1,967,873,600 parameters; its checkpoint measured 23,616,924,089
+    # bytes on an H200 (2026-12-03), DCP's framing and trainer.pt besides.
+    xl = checkpoint_bytes(1_967_873_600, 1)
+    assert xl == {"total": 23_614_483_200, "per_rank": 23_614_483_200, "gathered": 0}
+    assert checkpoint_bytes(10, 3) == {"total": 120, "per_rank": 40, "gathered": 0}
+    assert checkpoint_bytes(11, 8)["per_rank"] == 17  # the rank with most
+    for sharding in ("zero3", "fsdp", "zero1", "none"):
+        assert main(["plan", "--preset", "13B", "--gpus-per-node", "8", "--sharding", sharding,
+                     "--batch-size", "8", "--vocab-size", "50257", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ck = out["checkpoint_bytes"]
+        assert ck["gathered"] == 0 and ck["per_rank"] * 8 == ck["total"] == 12 * out["parameters"]

@@ -155,6 +155,64 @@ def test_kill_9_during_a_background_write_leaves_the_previous_checkpoint(corpus_
     assert (held / MANIFEST).is_file()
 
 
+def test_a_large_part_is_written_by_several_threads_and_resumes_bit_for_bit(
+        corpus_dir, tmp_path, monkeypatch):
+    """One writer thread and file per BYTES_PER_THREAD of a rank's part, up to
+    ``--ckpt-threads``: every file is in the manifest, and the checkpoint resumes."""
+    monkeypatch.setattr(checkpoint_writer, "BYTES_PER_THREAD", 1 << 10)
+    out = tmp_path / "run"
+    Trainer(settings(corpus_dir, out, steps=4, ckpt_threads=3), DistContext()).run()
+    step2 = out / "ckpt" / "step-000002"
+    shards = sorted(p.name for p in step2.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    listed = json.loads((step2 / MANIFEST).read_text())["files"]
+    assert set(shards) | {".metadata", "trainer.pt"} == set(listed)
+    assert all(listed[n]["bytes"] == (step2 / n).stat().st_size for n in listed)
+    resumed = tmp_path / "resumed"
+    Trainer(settings(corpus_dir, resumed, steps=4, resume=str(step2)), DistContext()).run()
+    assert losses(resumed) == {s: v for s, v in losses(out).items() if s > 2}
+
+
+def test_small_parts_stay_one_file_and_a_cpu_run_makes_no_pinned_buffers(corpus_dir,
+                                                                         tmp_path):
+    trainer = Trainer(settings(corpus_dir, tmp_path / "run", ckpt_threads=8), DistContext())
+    trainer.run()
+    assert [p.name for p in (tmp_path / "run" / "ckpt" / "step-000004").glob("*.distcp")] == [
+        "__0_0.distcp"]
+    trainer.checkpointer.make_buffers(10.0)
+    assert trainer.checkpointer._pending is None
+
+
+def test_pinned_buffers_are_made_a_slice_at_a_time(corpus_dir, tmp_path, monkeypatch):
+    """On CUDA each call makes buffers for about its budget and returns; together they make
+    one buffer per tensor part the save copies (the allocation is stood in for here: each
+    takes 10 ms, pinning asked for)."""
+    trainer = Trainer(settings(corpus_dir, tmp_path / "run"), DistContext())
+    writer = checkpoint_writer.Checkpointer(tmp_path / "out", trainer.model, trainer.optimizer,
+                                            "none", torch.device("cuda"))
+    real_empty = torch.empty
+    made = []
+
+    def slow_pinned(shape, **kw):
+        if not kw.pop("pin_memory", False):  # not a buffer: the shapes of the parts
+            return real_empty(shape, **kw)
+        time.sleep(0.01)
+        made.append(shape)
+        return real_empty(shape, **kw)
+
+    monkeypatch.setattr(checkpoint_writer.torch, "empty", slow_pinned)
+    writer.make_buffers(0.025)
+    first = len(made)
+    assert 1 <= first <= 4 and writer._pending
+    while writer._pending:
+        writer.make_buffers(0.025)
+    expected = writer._expected()
+    assert sorted(writer._buffers) == sorted(key for key, _, _ in expected)
+    assert len(made) == len(expected) > first
+    writer.make_buffers(0.025)  # all made: nothing more
+    assert len(made) == len(expected)
+
+
 def test_keep_last_and_the_newest_complete_step(corpus_dir, tmp_path):
     out = tmp_path / "run"
     Trainer(settings(corpus_dir, out, steps=5, ckpt_every=1, keep_last=2),

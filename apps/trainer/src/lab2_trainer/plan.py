@@ -45,6 +45,9 @@ reductions, FSDP's backward gathers) hide behind the backward's compute except t
 bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
 block's. The exposed part is reported.
+
+A checkpoint (:func:`lab2_trainer.shapes.checkpoint_bytes`): its size, and the CPU memory
+each rank stages its part in; no rank gathers a full copy.
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ from lab2_trainer.config import (
     default_layout,
     setting,
 )
-from lab2_trainer.shapes import flops_per_token, parameter_counts, training_state_parts
+from lab2_trainer.shapes import (
+    checkpoint_bytes,
+    flops_per_token,
+    parameter_counts,
+    training_state_parts,
+)
 
 GIB = 1024**3
 #: Bytes per element of each precision's autocast dtype (fp32: no autocast).
@@ -504,6 +512,7 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "fits": fits(p, items),
         "largest_micro_batch": largest_micro_batch(p),
         "time": step_time(p),
+        "checkpoint_bytes": checkpoint_bytes(counts["total"], p.world_size),
         "hardware": dataclasses.asdict(p.hardware),
         "assumptions": assumptions(p),
     }

@@ -233,6 +233,10 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
     console.print(f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per "
                   f"GPU), MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}, scaling efficiency "
                   f"{t['scaling_efficiency']:.1%}; link: {t['link']}")
+    ck = result["checkpoint_bytes"]
+    console.print(f"checkpoint: {ck['total'] / 1e9:,.1f} GB a save; each rank copies its "
+                  f"{ck['per_rank'] / 1e9:,.1f} GB to CPU memory and writes it; no rank "
+                  "gathers a full copy")
     if rows:
         cmp = Table(title="every strategy (prediction)", title_justify="left")
         for col in ("sharding", "checkpointing", "peak GiB", "fits", "largest micro-batch",

@@ -99,3 +99,13 @@ def training_state_bytes(n: int, sharding: str, world_size: int,
       whole gathered weights (4) through the backward besides.
     """
     return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())
+
+
+def checkpoint_bytes(n: int, world_size: int) -> dict[str, int]:
+    """What one sharded checkpoint of ``n`` parameters holds: fp32 weights and AdamW's two
+    moments, 12 bytes a parameter (``total``, on disk, DCP's few bytes of framing aside),
+    and what each rank copies to CPU memory and writes (``per_rank``): its 1/N ranges, for
+    every sharding kind, replicated tensors written in equal slices. No rank gathers more
+    (``gathered``: 0), where a single-file checkpoint gathers ``total`` on one rank."""
+    total = 12 * n
+    return {"total": total, "per_rank": -(-total // max(1, world_size)), "gathered": 0}

@@ -102,12 +102,12 @@ class WallClock:
         self._compiled_in = dict.fromkeys(PHASES, 0.0)  # carved out of a phase by split
         self._thread = threading.get_ident()
 
-    def mark(self, part: str) -> None:
-        """Name ``part`` the start-up time since the last mark (or the clock's creation);
-        nothing once start-up is over."""
+    def mark(self, part: str, now: float | None = None) -> None:
+        """Name ``part`` the start-up time since the last mark (or the clock's creation)
+        to ``now`` (``time.perf_counter()``; None: now); nothing once start-up is over."""
         if self.current != "startup":
             return
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         self.startup_parts[part] = self.startup_parts.get(part, 0.0) + now - self._marked
         self._marked = now
 
@@ -117,9 +117,9 @@ class WallClock:
         if phase not in SWITCHED:
             raise ValueError(f"phase must be one of {', '.join(SWITCHED)} (compilation is "
                              f"carved out of training); got {phase!r}")
-        if self.current == "startup":
-            self.mark("rest")  # what followed the last mark: start-up's parts add up
         now = time.perf_counter()
+        if self.current == "startup":
+            self.mark("rest", now)  # what followed the last mark: start-up's parts add up
         self.seconds[self.current] += now - self._since
         self._since = now
         left, self.current = self.current, phase
