@@ -245,7 +245,7 @@ def test_activations_kept_with_checkpointing_are_the_planners(precision, kind):
     want = layer_activation_bytes(c2, precision, kind)
     assert within(want, layer, EXACT), (want / layer - 1)
     total = 2 * layer + rest
-    predicted = 2 * want + final_activation_bytes(c2, precision)
+    predicted = 2 * want + final_activation_bytes(c2, precision, kind)
     assert within(predicted, total, TOTAL_CLAIM[kind]), (predicted / total - 1)
 
 

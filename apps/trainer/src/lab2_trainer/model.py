@@ -114,7 +114,7 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, branch: torch.Tensor | None
     With tritonnorm's ``FusedAddRMSNorm`` both run in one Triton kernel each way, which
     saves a read and a write of the residual stream per norm. The stream ``x`` keeps its
     dtype (float32 under autocast) when the branch output is half precision. ``branch``
-    None (the first block) is a plain norm.
+    None (the first block while decoding) is a plain norm.
     """
     if isinstance(norm, FusedAddRMSNorm):
         # Under autocast the next layer casts the norm's output to the autocast dtype
@@ -220,8 +220,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block on the residual stream ``x``, to which the previous block's last
-        branch output ``pending`` is still to be added (None for the first block),
-        checkpointed as ``checkpointing`` says (:meth:`body` is what runs).
+        branch output ``pending`` is still to be added (the embedding's zeros for the
+        first block, or None), checkpointed as ``checkpointing`` says (:meth:`body` is
+        what runs).
 
         Returns ``(x, pending)`` for the next block: the feed-forward output is added by
         the next norm, so every residual add fuses with a norm.
@@ -305,10 +306,10 @@ class TransformerLM(nn.Module):
 
         The blocks are identical modules running the same code, and dynamo guards on what
         a module holds rather than on which module it is (``nn.Module`` attributes and
-        parameters are the graph's inputs), so every block after the first runs the
-        graph compiled for the second block: two graphs (the first block has no pending
-        branch to add) serve every depth, and compilation takes about as long for 48
-        blocks as for 2. Activation checkpointing is inside the compiled graph
+        parameters are the graph's inputs), so every block runs the graph compiled for
+        the first (:meth:`embed` gives the first a pending branch like the others'):
+        one graph serves every depth, and compilation takes about as long for 48 blocks as
+        for 1. Activation checkpointing is inside the compiled graph
         (:meth:`Block.forward`); FSDP2's and the DDP wrappers' hooks run around it.
         """
         for block in self.blocks:
@@ -367,13 +368,24 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"sequence length {t} exceeds context_length {self.config.context_length}"
             )
-        x = (self._compiled_embed or self.embed)(idx)
-        return (self._compiled_head or self.head)(*self._run_blocks(x), targets)
+        x, pending = (self._compiled_embed or self.embed)(idx)
+        return (self._compiled_head or self.head)(*self._run_blocks(x, pending), targets)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token plus position embeddings of ``idx`` (B, T), positions from 0."""
+    def embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token plus position embeddings of ``idx`` (B, T), positions from 0, and the
+        first block's pending branch: zeros.
+
+        The zeros are shaped, typed and record gradients as every later block's pending
+        branch does (a feed-forward output: the autocast dtype, gradients when the stream
+        records them), so that the first block runs the same code on the same kinds of
+        inputs as the others: compiled block by block, one graph serves every block, the
+        first included, and one block's graph is compiled rather than two. They are
+        ``x * 0`` for that (a new tensor of zeros would record no gradients inside a
+        compiled graph); adding them changes no value.
+        """
         pos = torch.arange(idx.shape[-1], device=idx.device)
-        return self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        return x, (x * 0).to(_autocast_dtype(x) or x.dtype)
 
     def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
         """The final norm (adding the last block's ``pending`` branch), the LM head, and
@@ -430,10 +442,11 @@ class TransformerLM(nn.Module):
         cache.advance(t)
         return self.lm_head(add_and_norm(self.norm_f, x[:, -1:], pending[:, -1:])[0])[:, -1]
 
-    def _run_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks over the embedded input: (residual stream, last block's feed-forward
-        output, still to be added by the final norm)."""
-        pending = None
+    def _run_blocks(self, x: torch.Tensor, pending: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks over the embedded input ``x`` and the first block's ``pending``
+        branch (:meth:`embed`'s zeros; None: nothing to add): (residual stream, last
+        block's feed-forward output, still to be added by the final norm)."""
         for block in self.blocks:
             x, pending = block(x, pending)
         return x, pending

@@ -241,13 +241,18 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
     return norms + attention + mlp
 
 
-def final_activation_bytes(config: ModelConfig, precision: str) -> float:
+def final_activation_bytes(config: ModelConfig, precision: str,
+                           checkpointing: str = "none") -> float:
     """Per token: what the final norm and the LM head keep (the fp32 residual sum, the
     normalised output in the autocast dtype; nn.RMSNorm's normalised input besides) and
-    the loss's fp32 log-softmax (4 V)."""
+    the loss's fp32 log-softmax (4 V). With ``selective`` checkpointing also the first
+    block's pending branch (the embedding's zeros, ``a d``), which its checkpoint keeps as
+    an input where every later block's is the previous block's kept product."""
     a = ACTIVATION_BYTES[precision]
     norm_extra = 4 * config.d_model if config.norm == "torch" else 0
-    return (4 + a) * config.d_model + norm_extra + 4 * config.vocab_size
+    first_pending = a * config.d_model if checkpointing == "selective" else 0
+    return ((4 + a) * config.d_model + norm_extra + 4 * config.vocab_size
+            + first_pending)
 
 
 def logits_bytes(config: ModelConfig, precision: str, compiled: bool = False) -> float:
@@ -295,7 +300,8 @@ def memory_items(p: PlanInput) -> dict[str, float]:
         casts = 2 * cast
     tokens = p.micro_batch * c.context_length
     per_layer = layer_activation_bytes(c, p.precision, p.activation_checkpointing, p.compile)
-    activations = tokens * (c.n_layers * per_layer + final_activation_bytes(c, p.precision))
+    final = final_activation_bytes(c, p.precision, p.activation_checkpointing)
+    activations = tokens * (c.n_layers * per_layer + final)
     recompute = 0.0
     if p.activation_checkpointing != "none":
         # The block being recomputed holds its activations again, beside its gradients.
@@ -315,7 +321,7 @@ def memory_items(p: PlanInput) -> dict[str, float]:
         "sharding buffers": float(buffers),
         "half-precision weight copies": float(casts),
         "activations (blocks)": float(tokens * c.n_layers * per_layer),
-        "activations (final norm, loss)": float(tokens * final_activation_bytes(c, p.precision)),
+        "activations (final norm, loss)": float(tokens * final),
         "recomputed block": float(recompute),
         "logits at backward start": float(logits),
         "workspace": float(workspace),
