@@ -33,9 +33,9 @@ def tiny_settings(data: Path, out: Path, **overrides) -> TrainSettings:
 
 
 def assert_adds_up(split: dict, wall: float | None = None) -> None:
-    assert set(split) == {"wall_s", "goodput", "startup_parts_s", *(f"{p}_s" for p in PHASES)}
+    assert set(split) == {"wall_s", "goodput", "startup_parts", *(f"{p}_s" for p in PHASES)}
     parts = [split[f"{p}_s"] for p in PHASES]
-    startup = split["startup_parts_s"]
+    startup = split["startup_parts"]
     assert next(iter(startup)) == "launch" and all(v >= 0 for v in startup.values())
     if split["training_s"] > 0:  # start-up is over: its parts add up to it
         assert sum(startup.values()) == pytest.approx(split["startup_s"], rel=1e-9, abs=1e-9)
@@ -161,7 +161,7 @@ def test_start_up_is_split_by_mark_and_ends_at_the_first_switch():
     clock.switch("training")
     clock.mark("late")  # start-up is over: not a part
     split = clock.split()
-    parts = split["startup_parts_s"]
+    parts = split["startup_parts"]
     assert list(parts) == ["launch", "model", "data", "rest"]
     assert parts["launch"] == pytest.approx(1.0, abs=0.1)
     assert parts["model"] >= 0.02 and parts["data"] >= 0.03 and parts["rest"] >= 0.01
@@ -172,5 +172,5 @@ def test_a_run_names_the_parts_of_its_start_up(corpus_dir, tmp_path):
     Trainer(tiny_settings(corpus_dir, tmp_path / "run"), DistContext()).run()
     split = json.loads((tmp_path / "run" / "summary.json").read_text())["wall_clock"]
     assert {"launch", "data", "model", "parallelize", "checkpoint writer", "batches",
-            "rest"} <= set(split["startup_parts_s"])
-    assert sum(split["startup_parts_s"].values()) == pytest.approx(split["startup_s"])
+            "rest"} <= set(split["startup_parts"])
+    assert sum(split["startup_parts"].values()) == pytest.approx(split["startup_s"])

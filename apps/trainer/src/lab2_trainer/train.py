@@ -352,12 +352,6 @@ class Trainer:
                     if not math.isfinite(record["loss"]) and self.scaler is None:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
-                if checkpoint_now:
-                    # Before evaluating: the write then runs during the evaluation too (at
-                    # the end of a run, the wait for it is that much shorter). Evaluation
-                    # touches nothing a checkpoint holds.
-                    with checkpoint_stall():
-                        self.save_checkpoint()
                 if evaluate_now:
                     with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
@@ -367,6 +361,11 @@ class Trainer:
                     with clock.phase("other"):
                         for record in records:
                             reporter.step(record)
+                if checkpoint_now:
+                    # After the log lines: a save that waits for the previous write (or a
+                    # write that hangs) does not hold back the losses already trained.
+                    with checkpoint_stall():
+                        self.save_checkpoint()
                 # Evaluation and checkpoints are not training throughput.
                 window_start = time.perf_counter()
             if val_loss is None:  # resumed at the end: nothing trained, still report

@@ -173,7 +173,7 @@ class WallClock:
         out: dict[str, Any] = {"wall_s": wall}
         out.update({f"{name}_s": parts[name] for name in PHASES})
         out["goodput"] = parts["training"] / wall if wall > 0 else None
-        out["startup_parts_s"] = dict(self.startup_parts)
+        out["startup_parts"] = dict(self.startup_parts)
         return out
 
 
