@@ -670,20 +670,6 @@ def block_checkpointing(kind: str, index: int) -> str:
     return "full" if index % 2 == 0 else "none"
 
 
-def warm_compiler(backend: str) -> None:
-    """Start inductor's pool of compile workers now; inductor starts it itself at its first
-    compilation, but the workers take seconds to start, and started early they do so while
-    the run loads its data and builds its model. Nothing for other backends, or where this
-    torch has no such pool."""
-    if backend != "inductor":
-        return
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:
-        return
-    maybe_warm_pool()
-
-
 def uncompiled() -> AbstractContextManager:
     """A context in which compiled functions and modules run as plain code
     (``torch.compiler.set_stance("force_eager")``; nothing on a torch without it)."""

@@ -544,6 +544,20 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", mode: str | No
     raise ValueError(f"compile scope must be 'blocks' or 'model', got {scope!r}")
 
 
+def warm_compiler(backend: str) -> None:
+    """Start inductor's pool of compile workers now; inductor starts it itself at its first
+    compilation, but the workers take seconds to start, and started early they do so while
+    the run loads its data and builds its model. Nothing for other backends, or where this
+    torch has no such pool."""
+    if backend != "inductor":
+        return
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    maybe_warm_pool()
+
+
 def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float],
                     weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
     """The trainer's unsharded AdamW over ``model`` (:func:`param_groups`), as the "none"

@@ -43,8 +43,8 @@ from lab2_trainer.data import (
     unigram_entropy,
 )
 from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM, selective_kind, warm_compiler
-from lab2_trainer.parallel import fused_adamw_available, parallelize
+from lab2_trainer.model import TransformerLM, selective_kind
+from lab2_trainer.parallel import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.profiling import StepProfiler
 from lab2_trainer.rank0_alone import rank0_alone
 from lab2_trainer.report import (
