@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in kinds:
             s = summary[name]
             tps = tokens / (s["step_ms"] / 1e3)
+            side, sharding, _ = STACKS[harness.kind_of(name)]
             out.add({"preset": preset, "params_M": per_rank[0]["params"] / 1e6,
-                     "variant": name, "norm": norm_of(STACKS[harness.kind_of(name)][0]),
-                     "sharding": STACKS[harness.kind_of(name)][1], **harness.labels(args),
+                     "variant": name, "norm": norm_of(side), "sharding": sharding,
+                     **harness.labels(args),
                      "bucket_mb": args.bucket_mb, "compiled": compiled,
                      "bucket_rule": args.bucket_rule},
                     {**s, "tokens_per_s": tps, "ratio_to_pytorch": ref_ms / s["step_ms"],
