@@ -168,6 +168,25 @@ def test_start_up_is_split_by_mark_and_ends_at_the_first_switch():
     assert sum(parts.values()) == pytest.approx(split["startup_s"], rel=1e-9)
 
 
+def test_the_launch_is_split_by_its_marks_before_the_clock(monkeypatch):
+    monkeypatch.setattr(wall_clock, "_launch_marks", [])
+    wall_clock.mark_launch()
+    time.sleep(0.03)
+    wall_clock.mark_launch("imports")
+    time.sleep(0.02)
+    wall_clock.mark_launch("device")
+    time.sleep(0.01)
+    clock = WallClock(wall_clock.launch_start())
+    clock.switch("training")
+    split = clock.split()
+    parts = split["startup_parts"]
+    assert list(parts) == ["launch", "imports", "device", "rest"]
+    assert parts["imports"] >= 0.03 and parts["device"] >= 0.02 and parts["launch"] >= 0.01
+    assert sum(parts.values()) == pytest.approx(split["startup_s"], abs=1e-3)
+    # The marks are used once: a later clock in the same process does not count them again.
+    assert list(WallClock(time.time()).split()["startup_parts"]) == ["launch"]
+
+
 def test_a_run_names_the_parts_of_its_start_up(corpus_dir, tmp_path):
     Trainer(tiny_settings(corpus_dir, tmp_path / "run"), DistContext()).run()
     split = json.loads((tmp_path / "run" / "summary.json").read_text())["wall_clock"]

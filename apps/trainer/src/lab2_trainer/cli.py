@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     from lab2_trainer import launch, supervise
     from lab2_trainer.train import train
 
+    mark_launch("imports")
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
     previous = supervise.install_termination_handler()
     claim = settings = None
@@ -533,6 +534,7 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
 
     from lab2_trainer import launch
     from lab2_trainer.train import train
+    from lab2_trainer.wall_clock import mark_launch
 
     need_group = settings.ddp != "none" or settings.sharding != "none"
     device = launch.rank_device(device_type, 0)
@@ -545,6 +547,7 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
                                            timeout=timedelta(seconds=timeout_s or
                                                              launch.DEFAULT_TIMEOUT_S))
         torch.set_num_threads(launch.threads_per_rank(1))
+        mark_launch("device")
         train(launch.DistContext(device=device), settings)
     except UsageError as exc:
         return _error(str(exc))

@@ -42,6 +42,7 @@ from lab2_trainer.supervise import (
     make_watch_folder,
     signal_name,
 )
+from lab2_trainer.wall_clock import mark_launch
 from lab2bench._process import threads_per_rank
 
 
@@ -132,6 +133,7 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> DistContext:
         backend, init_method="env://", rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    mark_launch("device")
     return DistContext(rank, world, local_rank, device)
 
 

@@ -352,6 +352,14 @@ class Trainer:
                     if not math.isfinite(record["loss"]) and self.scaler is None:
                         raise RuntimeError(f"loss became {record['loss']} at step "
                                            f"{record['step']}; lower --lr")
+                # A save that finds the previous write done starts now: it stalls for the
+                # copy to CPU memory only, and its write overlaps the evaluation. One that
+                # would wait for the previous write (or a write that hangs) comes after the
+                # log lines instead, so that it never holds back the losses already trained.
+                save_now = checkpoint_now and not self.checkpointer.in_flight
+                if save_now:
+                    with checkpoint_stall():
+                        self.save_checkpoint()
                 if evaluate_now:
                     with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
@@ -361,9 +369,7 @@ class Trainer:
                     with clock.phase("other"):
                         for record in records:
                             reporter.step(record)
-                if checkpoint_now:
-                    # After the log lines: a save that waits for the previous write (or a
-                    # write that hangs) does not hold back the losses already trained.
+                if checkpoint_now and not save_now:
                     with checkpoint_stall():
                         self.save_checkpoint()
                 # Evaluation and checkpoints are not training throughput.

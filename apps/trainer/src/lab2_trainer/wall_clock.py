@@ -26,10 +26,13 @@ wait for the steps' results), so every second between the start and
 
 **Goodput** is ``training`` over the wall clock, in (0, 1].
 
-Start-up is itself split where the trainer marks it (:meth:`WallClock.mark`): ``launch``
-(from the command to the clock's creation: interpreter, imports, spawning the ranks, the
-process group), then one part per mark (``data``, ``model``, ...) and ``rest``, what
-followed the last mark, so that a slow start says which part of it was slow.
+Start-up is itself split where the trainer marks it, so that a slow start says which part
+of it was slow. Before the clock exists, :func:`mark_launch` names parts of the launch
+(``imports``: torch and the trainer's modules; ``device``: the GPU's runtime and the
+process group); ``launch`` is what is left of the time from the command to the clock's
+creation (spawning the ranks, reading the settings). Then come one part per
+:meth:`WallClock.mark` (``data``, ``model``, ...) and ``rest``, what followed the last
+mark.
 
 :func:`checkpoint_stall` is the one hook the checkpoint code needs: it wraps the part of a
 save (or of the wait for an asynchronous one) that blocks the training loop, and counts it
@@ -57,6 +60,8 @@ SWITCHED = tuple(p for p in PHASES if p != "compilation")
 START_ENV = "LAB2_TRAIN_START"
 
 _active: WallClock | None = None
+#: Parts of the launch marked in this process before its clock: (part, ``time.time()``).
+_launch_marks: list[tuple[str, float]] = []
 
 
 def launch_start() -> float | None:
@@ -79,9 +84,15 @@ def dynamo_compile_seconds() -> float:
     return float(sum(sum(v) for k, v in metrics.items() if k.endswith("compile_inner")))
 
 
-def mark_launch() -> None:
-    """Store now as the launch time of the run (the command line's first act)."""
-    os.environ[START_ENV] = repr(time.time())
+def mark_launch(part: str | None = None) -> None:
+    """Without ``part``: store now as the launch time of the run (the command line's first
+    act). With it: name ``part`` the launch's time since the previous mark (the clock
+    created next in this process splits it so)."""
+    if part is None:
+        os.environ[START_ENV] = repr(time.time())
+        _launch_marks.clear()
+    else:
+        _launch_marks.append((part, time.time()))
 
 
 class WallClock:
@@ -94,9 +105,19 @@ class WallClock:
 
     def __init__(self, start: float | None = None) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        # "launch" first: the start-up not marked otherwise before the clock.
+        self.startup_parts: dict[str, float] = {"launch": 0.0}
         if start is not None:
-            self.seconds["startup"] = max(0.0, time.time() - start)
-        self.startup_parts = {"launch": self.seconds["startup"]}
+            now = time.time()
+            self.seconds["startup"] = max(0.0, now - start)
+            previous = start
+            for part, at in _launch_marks:
+                if start <= at <= now:
+                    self.startup_parts[part] = (self.startup_parts.get(part, 0.0)
+                                                + at - previous)
+                    previous = at
+            self.startup_parts["launch"] = max(0.0, now - previous)
+        _launch_marks.clear()
         self.current = "startup"
         self._since = self._marked = time.perf_counter()
         self._compiled_in = dict.fromkeys(PHASES, 0.0)  # carved out of a phase by split
