@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
+from lab2_trainer.recipe import EMBED_SCALE
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
 
@@ -160,6 +161,9 @@ class ModelConfig:
     """Share the token embedding matrix with the output (LM head) projection."""
     ffn: str = setting("swiglu", choices=FFN_KINDS, group="model")
     """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
+    embed_scale: float = setting(EMBED_SCALE, group="model", default_text="35.36")
+    """Multiplier of the token-plus-position embedding: with the tables' N(0, 0.02) it
+    starts the residual stream at unit RMS (lab2_trainer.recipe says why)."""
 
     def check(self) -> None:
         """Each field in its range, in field order; ``ValueError`` with one line naming
@@ -172,6 +176,7 @@ class ModelConfig:
         if self.eps is not None and not (_is_number(self.eps) and eps_in_range(self.eps)):
             raise ValueError(f"eps must be {EPS_RANGE}, got {self.eps!r}")
         _one_of("ffn", self.ffn, FFN_KINDS)
+        _number("embed_scale", self.embed_scale, lambda v: v > 0, "> 0")
 
     def validate(self) -> ModelConfig:
         """Check every field (:meth:`check`) and that the heads divide the width; raise
@@ -199,12 +204,25 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> ModelConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        """Inverse of :meth:`to_dict` (a saved configuration); unknown keys raise
+        ``ValueError``, and a field it lacks takes the value the model was trained with
+        before that field existed (:data:`BEFORE_FIELDS`), else its default."""
+        return cls.with_fields({**BEFORE_FIELDS, **fields})
+
+    @classmethod
+    def with_fields(cls, fields: dict[str, Any]) -> ModelConfig:
+        """A validated configuration of ``fields``, the rest defaults; unknown keys raise
+        ``ValueError``."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown model config field(s): {', '.join(unknown)}")
         return cls(**fields).validate()
+
+
+#: What a saved model configuration that lacks a field was trained with: models saved
+#: before ``embed_scale`` existed had no embedding multiplier.
+BEFORE_FIELDS: dict[str, Any] = {"embed_scale": 1.0}
 
 
 # The course handout's sizes, plus `tiny`, which trains to well below the byte-unigram
@@ -239,7 +257,7 @@ def model_config(preset: str = "tiny", **overrides: Any) -> ModelConfig:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     fields = dict(PRESETS[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    return ModelConfig.from_dict(fields)
+    return ModelConfig.with_fields(fields)
 
 
 # ------------------------------------------------------------------- training settings
@@ -315,11 +333,13 @@ class TrainSettings:
     """Global batch in sequences, over all ranks and micro-batches."""
     grad_accum: int = setting(1, group="optimisation")
     """Micro-batches per step on each rank."""
-    lr: float = setting(3e-3, group="optimisation")
-    """Peak learning rate."""
-    min_lr: float = setting(3e-4, group="optimisation")
+    lr: float | None = setting(None, group="optimisation",
+                               default_text="0.4 / d_model (5.2e-4 in small, 3.1e-3 in tiny)")
+    """Peak learning rate (lab2_trainer.recipe: GPT-3's table as one rule over the width)."""
+    min_lr: float | None = setting(None, group="optimisation", default_text="lr / 10")
     """Final learning rate, in [0, lr]."""
-    warmup: int = setting(20, group="optimisation")
+    warmup: int | None = setting(None, group="optimisation",
+                                 default_text="5% of --steps, within [20, 500]")
     """Linear warm-up steps."""
     weight_decay: float = setting(0.1, group="optimisation")
     """AdamW decoupled weight decay (matrices only; not norms)."""
@@ -446,6 +466,21 @@ class TrainSettings:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
         self.nproc = world_size
         self.sharding, self.ddp = default_layout(world_size, self.sharding, self.ddp)
+        self.fill_recipe()
+        return self
+
+    def fill_recipe(self) -> TrainSettings:
+        """Fill the optimisation settings still unset from :mod:`lab2_trainer.recipe`: the
+        learning rate from the model's width, the final one from it, the warm-up from the
+        run's length (values of the wrong type are left for :meth:`check` to name)."""
+        from lab2_trainer import recipe  # imports nothing heavy
+
+        if self.lr is None and _is_number(self.model.d_model):
+            self.lr = recipe.default_lr(self.model.d_model)
+        if self.min_lr is None and _is_number(self.lr):
+            self.min_lr = recipe.default_min_lr(self.lr)
+        if self.warmup is None and _is_number(self.steps):
+            self.warmup = recipe.default_warmup(self.steps)
         return self
 
     def check(self) -> None:
@@ -493,6 +528,7 @@ class TrainSettings:
         self.model.validate()
         if self.ddp is None or self.sharding is None or self.nproc is None:
             self.resolve(world_size)
+        self.fill_recipe()
         self.check()
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")

@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, ModelConfig
+from lab2_trainer.recipe import init_stds
 from tritonnorm.nn import FusedAddRMSNorm
 
 
@@ -320,14 +321,16 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Initialise every weight from ``seed``: N(0, 0.02) for matrices and embeddings,
-        with the projections that write into the residual stream scaled by
-        1/sqrt(2 * n_layers) so the stream's variance does not grow with depth; norm
-        weights one, norm biases zero."""
+        """Initialise every weight from ``seed`` with :func:`lab2_trainer.recipe.init_stds`:
+        embedding tables N(0, 0.02) (``embed_scale`` brings their sum to unit RMS);
+        matrices N(0, 0.02), those that write into the residual stream N(0, 0.02 /
+        sqrt(2 n_layers)); the LM head N(0, 0.5 / sqrt(d_model)): near-uniform logits;
+        norm weights one, biases zero. The recipe's docstring says why."""
         device = self.tok_emb.weight.device
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        std = init_stds(self.config.d_model, self.config.n_layers,
+                        tied=self.config.tie_embeddings)
         seen: set[int] = set()
         for name, param in self.named_parameters():  # named_parameters skips tied duplicates
             if id(param) in seen:
@@ -336,10 +339,16 @@ class TransformerLM(nn.Module):
             if param.dim() == 1:
                 # Norm layers: weight 1, bias 0.
                 param.fill_(0.0 if name.endswith("bias") else 1.0)
+                continue
+            if name in ("tok_emb.weight", "pos_emb.weight"):
+                role = "embedding"
+            elif name == "lm_head.weight":
+                role = "head"
             elif name.endswith(("attn.proj.weight", "ffn.w2.weight")):
-                param.normal_(0.0, residual_std, generator=gen)
+                role = "residual"
             else:
-                param.normal_(0.0, 0.02, generator=gen)
+                role = "matrix"
+            param.normal_(0.0, std[role], generator=gen)
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
         """Number of parameters (tied ones counted once).
@@ -384,7 +393,7 @@ class TransformerLM(nn.Module):
         compiled graph); adding them changes no value.
         """
         pos = torch.arange(idx.shape[-1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = (self.tok_emb(idx) + self.pos_emb(pos)) * self.config.embed_scale
         return x, (x * 0).to(_autocast_dtype(x) or x.dtype)
 
     def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
@@ -429,7 +438,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"the KV cache has {len(cache.layers)} layers, the model "
                              f"{len(layers)}")
         pos = torch.arange(start, start + t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = (self.tok_emb(idx) + self.pos_emb(pos)) * self.config.embed_scale
         for attn, kv in zip(layers, cache.layers):
             attn.kv = kv
         try:

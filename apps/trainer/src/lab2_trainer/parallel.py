@@ -40,11 +40,13 @@ from torch import nn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: matrices and embeddings decay, vectors (norm weights, biases) do not."""
+    """Two groups: the matrices decay; vectors (norm weights, biases) and the embedding
+    tables do not (the tables set the residual stream's scale: lab2_trainer.recipe)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():  # tied weights come once
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 and id(p) not in tables else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

@@ -177,8 +177,10 @@ class RunReporter:
             self.progress = None
         self._file.close()
 
-    def plot(self, unigram_entropy: float | None) -> Path | None:
-        """Training and validation loss against step, with the unigram entropy as a line."""
+    def plot(self, unigram_entropy: float | None,
+             compression: dict[str, float] | None = None) -> Path | None:
+        """Training and validation loss against step, with the unigram entropy and the
+        compressors' figures (:func:`lab2_trainer.data.compression_baselines`) as lines."""
         try:
             import matplotlib
 
@@ -195,8 +197,8 @@ class RunReporter:
             ax.plot(*zip(*val), "o-", label="validation loss")
         if unigram_entropy is not None:
             ax.axhline(unigram_entropy, color="gray", ls="--", label="unigram entropy")
-            ax.axhline(0.75 * unigram_entropy, color="gray", ls=":",
-                       label="75% of unigram entropy")
+        for (name, figure), style in zip((compression or {}).items(), (":", "-.")):
+            ax.axhline(figure, color="black", ls=style, lw=1, label=f"{name} (validation)")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats / token)")
         ax.set_title("lab2-train loss")
@@ -225,6 +227,8 @@ class RunReporter:
             table.add_row("unigram entropy", f"{ent:.4f} nats/token (byte frequencies of train)")
         if val is not None and ent:
             table.add_row("val / unigram", ratio_text(val / ent))
+        if val is not None and summary.get("compression"):
+            table.add_row("compressors", compression_text(val, summary["compression"]))
         table.add_row("steps", f"{summary['steps']} ({summary['tokens']:,} tokens)")
         table.add_row("wall time", f"{summary['train_seconds']:.1f} s training "
                                    f"({summary['tokens_per_s']:,.0f} tokens/s)")
@@ -250,6 +254,16 @@ def ratio_text(ratio: float) -> str:
         return f"{ratio:.3f} (equal to the unigram entropy)"
     where = "below" if ratio < 1 else "above"
     return f"{ratio:.3f} ({abs(1 - ratio) * 100:.1f}% {where} the unigram entropy)"
+
+
+def compression_text(val: float, compression: dict[str, float]) -> str:
+    """The compressors' figures on the validation split, and where the loss stands
+    against the best of them."""
+    figures = ", ".join(f"{name} {figure:.4f}" for name, figure in compression.items())
+    name, best = min(compression.items(), key=lambda item: item[1])
+    where = "below" if val < best else "above"
+    return (f"{figures} nats/token on the validation split: the val loss is "
+            f"{abs(1 - val / best) * 100:.1f}% {where} {name}'s")
 
 
 # ------------------------------------------------------------- model FLOPs utilisation

@@ -39,6 +39,7 @@ from lab2_trainer.data import (
     BatchSampler,
     Prefetcher,
     check_batch_layout,
+    compression_baselines,
     load_corpus,
     unigram_entropy,
 )
@@ -294,10 +295,13 @@ class Trainer:
         out = Path(s.out)
         reporter = None
         entropy = None
+        compression = None
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             reporter = RunReporter(out, s.steps, self.step, quiet=s.quiet, log_every=s.log_every)
             entropy = unigram_entropy(self.corpus.train, self.corpus.vocab_size)
+            # gzip's and xz's figures on the validation split (cached with the corpus).
+            compression = compression_baselines(self.corpus)
             if not s.quiet:
                 reporter.print(self.describe(entropy))
         tokens_per_step = s.batch_size * s.model.context_length
@@ -394,6 +398,7 @@ class Trainer:
             "final_val_ppl": math.exp(min(val_loss, 50)),
             "unigram_entropy": entropy,
             "val_over_unigram": val_loss / entropy if entropy else None,
+            "compression": compression,
             "steps": self.step,
             "tokens": self.step * tokens_per_step,
             "train_seconds": train_seconds,
@@ -430,7 +435,7 @@ class Trainer:
             outputs = {"metrics": str(out / "metrics.jsonl")}
             if self.checkpointer.saved:
                 outputs["checkpoint"] = str(self.checkpointer.saved[-1])
-            plot = reporter.plot(entropy) if s.plot else None
+            plot = reporter.plot(entropy, summary["compression"]) if s.plot else None
             if plot is not None:
                 outputs["loss curve"] = str(plot)
             if profiler is not None and profiler.written is not None:

@@ -1,0 +1,206 @@
+"""How good a model the trainer makes in a given wall clock, with its defaults: the
+validation loss beside gzip's and xz's figures on the same validation split (computed by
+``lab2_trainer.data.compression_baselines``, not quoted), the training loss beside it, and
+the wall clock at which the validation loss first went below each compressor.
+
+Each run is the real ``lab2-train`` in a fresh process (as a user runs it), with
+evaluations spread over the run; what comes back is read from its ``metrics.jsonl`` and
+``summary.json``. The training loss at an evaluation is the mean over the steps since the
+previous one (the batches the model was trained on), so the two columns side by side show
+when the model starts to fit its training split better than text it has not seen.
+
+    python apps/trainer/benchmarks/quality.py --preset small --steps 3000 --out DIR
+    python apps/trainer/benchmarks/quality.py --preset small --budget 600 --out DIR
+    python apps/trainer/benchmarks/quality.py --device cpu                # the main command
+
+``--budget SECONDS`` sizes ``--steps`` to the budget: a probe of 30 steps (a fresh process
+too, its time not counted) measures the start-up, the compilation and a steady step, and
+the run gets the steps that fill the rest, less the evaluations' share. The probe warms the
+compiler's caches, so the run's compilation is that of a second run. Anything after ``--``
+goes to ``lab2-train`` as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+EVALS = 20  # evaluations spread over a run
+PROBE_STEPS = 30
+
+
+def command(args: argparse.Namespace, out: Path, steps: int, *, probe: bool = False
+            ) -> list[str]:
+    """The ``lab2-train`` command of a run (or of the budget's probe)."""
+    cmd = [sys.executable, "-m", "lab2_trainer.cli", "--preset", args.preset,
+           "--steps", str(steps), "--out", str(out), "--quiet", "--sample-tokens", "0",
+           "--log-every", "50"]
+    if args.device == "cuda":
+        cmd += ["--device", "cuda", "--nproc", "1", "--precision", "bf16", "--compile"]
+    else:
+        cmd += ["--device", "cpu"]
+    if probe:
+        cmd += ["--eval-every", "0", "--eval-batches", "1", "--no-plot"]
+    else:
+        cmd += ["--eval-every", str(max(1, steps // EVALS)),
+                "--eval-batches", str(args.eval_batches)]
+    return cmd + args.extra
+
+
+def run(cmd: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run ``lab2-train``; its metrics records and summary."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"lab2-train failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    out = Path(cmd[cmd.index("--out") + 1])
+    records = [json.loads(line) for line in
+               (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    return records, json.loads((out / "summary.json").read_text(encoding="utf-8"))
+
+
+def budget_steps(args: argparse.Namespace, root: Path) -> tuple[int, dict[str, Any]]:
+    """The steps that fill ``args.budget`` seconds of wall clock, from a probe run."""
+    _, probe = run(command(args, root / "probe", PROBE_STEPS, probe=True))
+    clock = probe["wall_clock"]
+    tokens = probe["tokens"] / probe["steps"]
+    step_s = tokens / probe["step_tokens_per_s"]
+    fixed = clock["startup_s"] + clock["compilation_s"] + clock["other_s"] + clock[
+        "checkpoint_s"]
+    # The run's evaluations: EVALS + 1 of eval_batches forward passes, a forward about a
+    # third of a step's work.
+    evaluating = (EVALS + 1) * args.eval_batches * step_s / 3
+    steps = max(PROBE_STEPS, int((args.budget - fixed - evaluating) / step_s))
+    return steps, {"probe_step_s": step_s, "probe_fixed_s": fixed}
+
+
+def evaluations(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per evaluation: step, wall clock, mean training loss since the previous
+    evaluation, validation loss."""
+    rows, window = [], []
+    for r in records:
+        window.append(r["loss"])
+        if "val_loss" in r:
+            rows.append({"step": r["step"], "wall_s": r["wall_clock"]["wall_s"],
+                         "train": sum(window) / len(window), "val": r["val_loss"]})
+            window = []
+    return rows
+
+
+def first_below(rows: list[dict[str, Any]], figure: float) -> dict[str, Any] | None:
+    return next((r for r in rows if r["val"] < figure), None)
+
+
+def report(rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+    compression = summary["compression"]
+    best = min(rows, key=lambda r: r["val"])
+    out = {"final_val": rows[-1]["val"], "final_train": rows[-1]["train"],
+           "best_val": best["val"], "best_step": best["step"], "best_wall_s": best["wall_s"],
+           "wall_s": summary["wall_clock"]["wall_s"], "steps": summary["steps"],
+           "tokens": summary["tokens"], **{k: v for k, v in compression.items()}}
+    for name, figure in compression.items():
+        hit = first_below(rows, figure)
+        out[f"below_{name}_s"] = hit["wall_s"] if hit else None
+        out[f"val_vs_{name}"] = rows[-1]["val"] / figure - 1
+    out["best_vs_xz"] = best["val"] / compression["xz"] - 1
+    return out
+
+
+def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    def when(seconds: float | None) -> str:
+        return "never" if seconds is None else f"{seconds:.0f} s"
+    lines = [f"`{' '.join(result['command'])}`", "",
+             "| step | wall clock (s) | train loss | val loss |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['step']} | {r['wall_s']:.0f} | {r['train']:.4f} | {r['val']:.4f} |"
+              for r in rows]
+    lines += ["", "| | nats/byte |", "|---|---:|",
+              f"| gzip -9 (validation split) | {result['gzip']:.4f} |",
+              f"| xz -9e (validation split) | {result['xz']:.4f} |",
+              f"| final validation loss | {result['final_val']:.4f} "
+              f"({result['val_vs_xz']:+.1%} against xz) |",
+              f"| best validation loss | {result['best_val']:.4f} at step {result['best_step']}"
+              f" ({result['best_vs_xz']:+.1%} against xz) |",
+              f"| final training loss | {result['final_train']:.4f} |", "",
+              f"Wall clock {result['wall_s']:.0f} s for {result['steps']} steps; validation "
+              f"below gzip at {when(result['below_gzip_s'])}, below xz at "
+              f"{when(result['below_xz_s'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    wall = [r["wall_s"] for r in rows]
+    ax.plot(wall, [r["train"] for r in rows], "o-", ms=3, label="train (mean since last eval)")
+    ax.plot(wall, [r["val"] for r in rows], "o-", ms=3, label="validation")
+    ax.axhline(result["gzip"], color="black", ls=":", lw=1, label="gzip -9")
+    ax.axhline(result["xz"], color="black", ls="-.", lw=1, label="xz -9e")
+    ax.set_xlabel("wall clock since launch (s)")
+    ax.set_ylabel("nats / byte")
+    ax.set_ylim(top=max(result["gzip"] * 1.6, min(r["val"] for r in rows) * 1.2))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda where there is one")
+    p.add_argument("--steps", type=int, help="default: the preset's run default (200), or "
+                   "what --budget fills")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="size --steps to this wall clock (a probe run measures it first)")
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--out", type=Path, help="write quality.jsonl, quality.md, quality.png here")
+    args = p.parse_args(argv)
+    args.extra = extra
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.steps is not None and args.budget is not None:
+        p.error("give --steps or --budget, not both")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        p.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    root = Path(tempfile.mkdtemp(prefix="lab2-quality-"))
+    sizing: dict[str, Any] = {}
+    steps = args.steps or 200
+    if args.budget is not None:
+        steps, sizing = budget_steps(args, root)
+    cmd = command(args, root / "run", steps)
+    records, summary = run(cmd)
+    rows = evaluations(records)
+    result = {"preset": args.preset, "device": args.device, "budget_s": args.budget,
+              **sizing, **report(rows, summary), "command": cmd[1:],
+              "settings": summary["settings"], "setup": summary["setup"]}
+    text = markdown(result, rows)
+    print(text, end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "quality.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({**result, "evaluations": rows}) + "\n")
+        (args.out / "quality.md").write_text(text, encoding="utf-8")
+        plot(rows, result, args.out / "quality.png")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
