@@ -47,15 +47,18 @@ def reduced(preset: str, width: int | None, context_length: int | None) -> dict[
 
 def first_steps(preset: str, *, steps: int, batch_size: int, device: torch.device,
                 precision: str = "bf16", width: int | None = None,
-                context_length: int | None = None, seed: int = 0) -> dict[str, Any]:
-    """Train ``preset`` for ``steps`` steps with the defaults of a run of that length.
+                context_length: int | None = None, seed: int = 0,
+                **model_fields: Any) -> dict[str, Any]:
+    """Train ``preset`` for ``steps`` steps with the defaults of a run of that length
+    (``model_fields`` override the model's; a test's controls).
 
     Returns:
         The record: the settings the defaults gave, and per step the loss, the gradient
         norm before clipping and the learning rate.
     """
     settings = TrainSettings(model=model_config(preset, norm="torch",
-                                                **reduced(preset, width, context_length)),
+                                                **reduced(preset, width, context_length),
+                                                **model_fields),
                              steps=steps, batch_size=batch_size, precision=precision,
                              seed=seed).fill_recipe()
     s = settings
