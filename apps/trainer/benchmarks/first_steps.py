@@ -30,6 +30,7 @@ from lab2_trainer.config import PRESETS, TrainSettings, model_config
 from lab2_trainer.data import BatchSampler, load_corpus
 from lab2_trainer.model import TransformerLM
 from lab2_trainer.parallel import parallelize
+from lab2_trainer.recipe import preset_run
 from lab2_trainer.step import set_lr, train_step
 from lab2_trainer.train import WarmupCosine
 
@@ -56,11 +57,13 @@ def first_steps(preset: str, *, steps: int, batch_size: int, device: torch.devic
         The record: the settings the defaults gave, and per step the loss, the gradient
         norm before clipping and the learning rate.
     """
-    settings = TrainSettings(model=model_config(preset, norm="torch",
-                                                **reduced(preset, width, context_length),
-                                                **model_fields),
+    shape = reduced(preset, width, context_length)
+    # tiny's own learning rate (recipe.PRESET_RUNS) where its width is kept
+    run = {k: v for k, v in preset_run(preset).items()
+           if k == "lr" and "d_model" not in shape and "d_model" not in model_fields}
+    settings = TrainSettings(model=model_config(preset, norm="torch", **shape, **model_fields),
                              steps=steps, batch_size=batch_size, precision=precision,
-                             seed=seed).fill_recipe()
+                             seed=seed, **run).fill_recipe()
     s = settings
     model = TransformerLM(s.model, seed=seed, device=device)
     parallel = parallelize(model, sharding="none", ddp="none", device=device, lr=s.lr,

@@ -108,3 +108,25 @@ def test_compressors_are_computed_once_and_cached(tmp_path, monkeypatch):
 def test_the_summary_names_the_best_compressor():
     text = compression_text(0.9, {"gzip": 1.2, "xz": 1.0})
     assert "10.0% below xz's" in text and "gzip 1.2000" in text
+
+
+def _new_run(tmp_path, argv):
+    from lab2_trainer.cli import build_parser, given_settings, resolve_settings
+
+    args = build_parser().parse_args([*argv, "--nproc", "1", "--out", str(tmp_path / "run")])
+    return resolve_settings(given_settings(args), "cpu")[0]
+
+
+def test_tiny_takes_its_own_run_defaults_unless_given(tmp_path):
+    tiny = _new_run(tmp_path, [])
+    assert (tiny.lr, tiny.batch_size, tiny.model.context_length) == (6e-3, 64, 64)
+    assert tiny.min_lr == pytest.approx(6e-4)
+    given = _new_run(tmp_path, ["--lr", "1e-3", "--batch-size", "8"])
+    assert (given.lr, given.batch_size) == (1e-3, 8)
+
+
+def test_a_preset_reshaped_or_without_its_own_defaults_takes_the_rules(tmp_path):
+    wide = _new_run(tmp_path, ["--d-model", "256", "--n-heads", "4"])
+    assert (wide.lr, wide.batch_size) == (recipe.default_lr(256), 32)
+    small = _new_run(tmp_path, ["--preset", "small", "--n-layers", "1"])
+    assert (small.lr, small.batch_size) == (recipe.default_lr(768), 32)

@@ -35,8 +35,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from lab2_trainer.recipe import EMBED_SCALE
+from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
 
@@ -231,7 +231,7 @@ BEFORE_FIELDS: dict[str, Any] = {"embed_scale": 1.0}
 # 4 d_model with three SwiGLU matrices would make them 8.6B and 16.8B), so that their
 # parameters match their names as GPT-3's GELU layers of 4 d_model do (12 d_model^2 a block).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(d_model=128, d_ff=384, n_layers=3, n_heads=4, context_length=128),
+    "tiny": dict(d_model=128, d_ff=384, n_layers=3, n_heads=4, context_length=64),
     "small": dict(d_model=768, d_ff=3072, n_layers=12, n_heads=12, context_length=512),
     "medium": dict(d_model=1024, d_ff=4096, n_layers=24, n_heads=16, context_length=512),
     "large": dict(d_model=1280, d_ff=5120, n_layers=36, n_heads=20, context_length=512),
@@ -329,12 +329,12 @@ class TrainSettings:
     model's."""
     steps: int = setting(200, group="optimisation")
     """Optimizer steps in the whole run (the schedule's length)."""
-    batch_size: int = setting(32, group="optimisation")
+    batch_size: int = setting(32, group="optimisation", default_text="32 (64 in tiny)")
     """Global batch in sequences, over all ranks and micro-batches."""
     grad_accum: int = setting(1, group="optimisation")
     """Micro-batches per step on each rank."""
     lr: float | None = setting(None, group="optimisation",
-                               default_text="0.4 / d_model (5.2e-4 in small, 3.1e-3 in tiny)")
+                               default_text="0.4 / d_model (5.2e-4 in small); 6e-3 in tiny")
     """Peak learning rate (lab2_trainer.recipe: GPT-3's table as one rule over the width)."""
     min_lr: float | None = setting(None, group="optimisation", default_text="lr / 10")
     """Final learning rate, in [0, lr]."""

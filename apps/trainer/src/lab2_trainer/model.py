@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager

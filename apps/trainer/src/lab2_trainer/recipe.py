@@ -14,7 +14,8 @@ learning rate per model size; its products ``lr × d_model`` lie between 0.31 an
 Adam's hidden-layer learning rate by. On ``small``, 1,000 steps of 32 × 512 bytes, twice
 the rule ended 0.05 nats/byte worse than the rule itself (the record:
 docs/benchmarks/2026-12-05-h100-defaults-sweep.md). The fixed default it replaces, 3e-3,
-is 5.8 times the rule at ``small`` and 12 times it at ``xl``.
+is 5.8 times the rule at ``small`` and 12 times it at ``xl``. GPT-3's table starts at
+125M parameters; ``tiny`` (0.7 M) takes its own (:data:`PRESET_RUNS`).
 
 **Schedule.** Linear warm-up over 5% of the run (at least 20 steps, at most 500), then
 cosine decay to a tenth of the peak, as GPT-3 did; AdamW with betas (0.9, 0.95) and weight
@@ -24,23 +25,36 @@ the residual stream's, see below).
 **Initialisation.** Pre-norm blocks divide the residual stream by its RMS before every
 sub-layer, so the stream's scale sets how much every gradient that flows back through a
 norm is amplified. GPT-2's N(0, 0.02) embeddings start the stream at an RMS of about 0.03:
-the gradient norm at step 1 was 74 at ``small`` and 181 at ``xl``, and Adam's first
-updates (about ``lr`` per element, whatever the gradient's size) then move the
-depth-scaled output projections (std 0.002 at ``xl``) by a large fraction of themselves in
-one coherent direction, into a stream too small to absorb it: the loss jumped to 9-15
-nats within six steps even at the rule's learning rate. So:
+the gradient norm at step 1 was 79 at ``small`` and 181 at ``xl``, and Adam's first
+updates (about ``lr`` per element, whatever the gradient's size) move the depth-scaled
+output projections (std 0.002 at ``xl``) by a large fraction of themselves in one
+coherent direction, into a stream too small to absorb it: the loss jumped to 9-10 nats
+within six steps at ``large`` and ``xl`` even at this rule's learning rate (15 at 3e-3).
+Tables of N(0, 1), as Llama starts them, keep the stream at unit scale and the first
+steps calm (gradient norm 4-7 at step 1, no rise at any preset), but Adam then moves them
+by only ``lr`` of 1 a step: ``small`` ended 0.05 nats/byte worse after 1,000 steps than
+with tables of N(0, 0.3). Small tables with a multiplier in the forward
+(``ModelConfig.embed_scale``, as Gemma scales its embeddings) start the stream at unit RMS
+and move by the same fraction of themselves each step as GPT-2's: ``tiny``'s main command
+ended at 2.19 nats/byte with them, 2.37 with tables of N(0, 1). A stream that starts small
+still learns faster where the model is shallow (``tiny`` with ``embed_scale`` 1: 1.81
+against 2.03), but its step-1 gradient norm grows with width and depth (11 at ``tiny``'s
+width, 43 at 48 layers of width 128, where the loss rose past ln 256 + 0.5 on the CPU): the
+defaults start the stream at unit RMS at every preset. So:
 
-* token and position embeddings: N(0, 1), as Llama and torchtitan start them: the stream
-  starts at unit scale, and the step-1 gradient norm is 4-7 at every preset;
+* token and position tables: N(0, 0.02), their sum multiplied by 1 / (0.02 sqrt 2) =
+  35.36 in the forward (unit RMS); no weight decay on them;
 * every other matrix: N(0, 0.02); the projections that write into the residual stream
   (attention output, feed-forward down) N(0, 0.02 / sqrt(2 n_layers)), so the stream's
   variance does not grow with depth (GPT-2);
 * the LM head: N(0, 0.5 / sqrt(d_model)), so that the logits start with a standard
   deviation of 0.5 (the loss at step 1 is about ln(vocab) + 0.125: near uniform). A head
-  much smaller than that (1 / d_model) left ``small`` 0.19 nats/byte worse after 1,000
-  steps: the body's gradients are proportional to it.
-* a tied head and embedding share one matrix: it takes the head's standard deviation
-  (near-uniform logits matter more than the stream's starting scale).
+  of 1 / d_model left ``small`` 0.19 nats/byte worse after 1,000 steps: the body's first
+  gradients are proportional to it;
+* a tied head and token table share one matrix: N(0, 0.02), GPT-2's logits.
+
+The measurements: docs/benchmarks/2026-12-05-h100-defaults-sweep.md (GPU) and
+docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md (CPU).
 """
 
 from __future__ import annotations
@@ -61,6 +75,20 @@ LOGIT_STD = 0.5
 #: The embedding's multiplier in the forward: token plus position tables of std 0.02 sum
 #: to a stream of unit RMS.
 EMBED_SCALE = round(1.0 / (EMBEDDING_STD * math.sqrt(2.0)), 2)
+
+
+#: Run defaults of the presets the rules above do not serve, applied by ``lab2-train`` (and
+#: the benchmarks that run its defaults) where the command line does not give them.
+#: ``tiny`` (0.7 M parameters, far below GPT-3's 125M) is the CPU main command's model: over
+#: its 200 steps a learning rate of 6e-3 (0.77 / d_model) and 64 sequences of 64 bytes
+#: (its preset's context) ended 0.25 nats/byte lower than 3.1e-3 and 32 x 128, in less
+#: time (docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md).
+PRESET_RUNS: dict[str, dict[str, float | int]] = {"tiny": {"lr": 6e-3, "batch_size": 64}}
+
+
+def preset_run(preset: str) -> dict[str, float | int]:
+    """The run defaults of ``preset`` that differ from the general ones (a new dict)."""
+    return dict(PRESET_RUNS.get(preset, {}))
 
 
 def default_lr(d_model: int) -> float:
