@@ -57,13 +57,12 @@ def first_steps(preset: str, *, steps: int, batch_size: int, device: torch.devic
         The record: the settings the defaults gave, and per step the loss, the gradient
         norm before clipping and the learning rate.
     """
-    shape = reduced(preset, width, context_length)
-    # tiny's own learning rate (recipe.PRESET_RUNS) where its width is kept
-    run = {k: v for k, v in preset_run(preset).items()
-           if k == "lr" and "d_model" not in shape and "d_model" not in model_fields}
-    settings = TrainSettings(model=model_config(preset, norm="torch", **shape, **model_fields),
-                             steps=steps, batch_size=batch_size, precision=precision,
-                             seed=seed, **run).fill_recipe()
+    fields = {**reduced(preset, width, context_length), **model_fields}
+    # the preset's own run defaults (tiny's learning rate), under what is given here
+    run = {**preset_run(preset, fields), "steps": steps, "batch_size": batch_size,
+           "precision": precision, "seed": seed}
+    settings = TrainSettings(model=model_config(preset, norm="torch", **fields),
+                             **run).fill_recipe()
     s = settings
     model = TransformerLM(s.model, seed=seed, device=device)
     parallel = parallelize(model, sharding="none", ddp="none", device=device, lr=s.lr,

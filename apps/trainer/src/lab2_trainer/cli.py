@@ -251,10 +251,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.out = out or str(run_folder_of(path))
         settings.resume = str(path)
     else:
-        # A preset's own run defaults (lab2_trainer.recipe.PRESET_RUNS), under what is given;
-        # not for a model of another width or depth, which the general rules serve.
-        if not {"d_model", "n_layers"} & model_overrides.keys():
-            explicit = {**preset_run(preset or "tiny"), **explicit}
+        # A preset's own run defaults (lab2_trainer.recipe.PRESET_RUNS), under what is given.
+        explicit = {**preset_run(preset or "tiny", model_overrides), **explicit}
         try:
             model = model_config(preset or "tiny", **model_overrides)
         except ValueError as exc:

@@ -60,6 +60,7 @@ docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md (CPU).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 #: Peak learning rate times d_model (the GPT-3 table's products lie in 0.31-0.51).
 LR_TIMES_WIDTH = 0.4
@@ -84,10 +85,16 @@ EMBED_SCALE = round(1.0 / (EMBEDDING_STD * math.sqrt(2.0)), 2)
 #: (its preset's context) ended 0.25 nats/byte lower than 3.1e-3 and 32 x 128, in less
 #: time (docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md).
 PRESET_RUNS: dict[str, dict[str, float | int]] = {"tiny": {"lr": 6e-3, "batch_size": 64}}
+#: Model fields that make a preset another model: its own run defaults no longer apply.
+SHAPE_FIELDS = frozenset({"d_model", "n_layers"})
 
 
-def preset_run(preset: str) -> dict[str, float | int]:
-    """The run defaults of ``preset`` that differ from the general ones (a new dict)."""
+def preset_run(preset: str, changed: Iterable[str] = ()) -> dict[str, float | int]:
+    """The run defaults of ``preset`` that differ from the general ones (a new dict); none
+    where ``changed`` (the model fields given over the preset's) names its width or depth,
+    which the general rules serve."""
+    if SHAPE_FIELDS.intersection(changed):
+        return {}
     return dict(PRESET_RUNS.get(preset, {}))
 
 
