@@ -66,6 +66,8 @@ def test_overrides_replace_fields_and_none_is_ignored():
         (dict(ffn="relu"), "ffn must be one of"),
         (dict(eps=-1e-6), "eps must be"),
         (dict(n_layers=2.5), "n_layers must be a positive integer"),
+        (dict(dropout=1.0), "dropout must be in \\[0, 1\\)"),
+        (dict(dropout=-0.1), "dropout must be"),
     ],
 )
 def test_invalid_config_raises_one_clear_line(overrides, fragment):
@@ -150,6 +152,22 @@ def test_init_is_deterministic_per_seed_and_independent_of_global_rng():
         assert torch.equal(pa, pb), name
         if pa.dim() == 2:
             assert not torch.equal(pa, pc), name
+
+
+def test_dropout_acts_while_training_only_and_rate_zero_changes_nothing():
+    idx = torch.randint(0, 256, (2, 16))
+    plain = TransformerLM(model_config("tiny"), seed=0)
+    dropped = TransformerLM(model_config("tiny", dropout=0.2), seed=0)
+    dropped.load_state_dict(plain.state_dict())
+    plain.train()
+    dropped.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(plain(idx), dropped(idx))
+    plain.eval()
+    dropped.eval()
+    torch.testing.assert_close(plain(idx), dropped(idx), rtol=0, atol=0)
+    plain.train()
+    torch.testing.assert_close(plain(idx), plain(idx), rtol=0, atol=0)  # rate 0: no mask
 
 
 def test_residual_projections_have_smaller_init():

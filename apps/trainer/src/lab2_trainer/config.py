@@ -164,6 +164,10 @@ class ModelConfig:
     embed_scale: float = setting(EMBED_SCALE, group="model", default_text="35.36")
     """Multiplier of the token-plus-position embedding: with the tables' N(0, 0.02) it
     starts the residual stream at unit RMS (lab2_trainer.recipe says why)."""
+    dropout: float = setting(0.0, group="model")
+    """Dropout rate on the embedding and on each attention and feed-forward output while
+    training: 0 for a corpus larger than the run; 0.1-0.2 where a run passes over a small
+    corpus several times."""
 
     def check(self) -> None:
         """Each field in its range, in field order; ``ValueError`` with one line naming
@@ -177,6 +181,7 @@ class ModelConfig:
             raise ValueError(f"eps must be {EPS_RANGE}, got {self.eps!r}")
         _one_of("ffn", self.ffn, FFN_KINDS)
         _number("embed_scale", self.embed_scale, lambda v: v > 0, "> 0")
+        _number("dropout", self.dropout, lambda v: 0 <= v < 1, "in [0, 1)")
 
     def validate(self) -> ModelConfig:
         """Check every field (:meth:`check`) and that the heads divide the width; raise

@@ -4,7 +4,8 @@ for decoding, and activation checkpointing of its blocks.
 Pre-norm blocks (norm -> causal self-attention -> residual, norm -> feed-forward ->
 residual), learned absolute positions, a final norm and a linear LM head. Attention goes
 through ``F.scaled_dot_product_attention(is_causal=True)`` so every backend PyTorch has
-(flash, memory-efficient, math) is used where it applies.
+(flash, memory-efficient, math) is used where it applies. Dropout
+(``ModelConfig.dropout``), while training, on the embedding and on each branch output.
 
 **KV cache.** Keys and values of past positions, kept per layer so decoding a token costs
 one position. Without a cache, generating each token runs the whole context through the
@@ -137,6 +138,11 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind)
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout`` where it drops something: at rate 0 the graph holds no dropout op."""
+    return F.dropout(x, p, training) if p and training else x
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t only.
 
@@ -215,6 +221,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.norm2 = make_norm(config.norm, config.d_model, config.eps)
         self.ffn = FeedForward(config)
+        self.dropout = config.dropout
         self.checkpointing = "none"
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None
@@ -238,8 +245,8 @@ class Block(nn.Module):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's computation (:meth:`forward` without the checkpoint)."""
         h, x = add_and_norm(self.norm1, x, pending)
-        h, x = add_and_norm(self.norm2, x, self.attn(h))
-        return x, self.ffn(h)
+        h, x = add_and_norm(self.norm2, x, _dropout(self.attn(h), self.dropout, self.training))
+        return x, _dropout(self.ffn(h), self.dropout, self.training)
 
 
 class TransformerLM(nn.Module):
@@ -393,6 +400,7 @@ class TransformerLM(nn.Module):
         """
         pos = torch.arange(idx.shape[-1], device=idx.device)
         x = (self.tok_emb(idx) + self.pos_emb(pos)) * self.config.embed_scale
+        x = _dropout(x, self.config.dropout, self.training)
         return x, (x * 0).to(_autocast_dtype(x) or x.dtype)
 
     def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
