@@ -166,8 +166,8 @@ class ModelConfig:
     starts the residual stream at unit RMS (lab2_trainer.recipe says why)."""
     dropout: float = setting(0.0, group="model")
     """Dropout rate on the embedding and on each attention and feed-forward output while
-    training: 0 for a corpus larger than the run; 0.1-0.2 where a run passes over a small
-    corpus several times."""
+    training (0: none). On the default corpus, 0.1 did not lower medium's loss at 1,500
+    steps (docs/benchmarks/2026-12-05-h100-quality.md)."""
 
     def check(self) -> None:
         """Each field in its range, in field order; ``ValueError`` with one line naming
