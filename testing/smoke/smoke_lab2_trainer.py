@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from lab2_trainer import __version__
-from lab2_trainer.cli import main
+from lab2_trainer.cli.main import main
 
 with tempfile.TemporaryDirectory() as tmp:
     words = ["alpha", "beta", "gamma", "delta", "tensor", "norm", "rank", "bucket", "shard"]

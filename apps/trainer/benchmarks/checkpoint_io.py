@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from lab2_trainer.checkpoint_folders import file_crc
-from lab2_trainer.sharded_checkpoint import Part, write_parts
+from lab2_trainer.checkpoint.folders import file_crc
+from lab2_trainer.checkpoint.parts import Part, write_parts
 
 
 def make_state(gb: float, tensors: int) -> list[Part]:

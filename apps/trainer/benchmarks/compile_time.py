@@ -81,8 +81,8 @@ def measure(args: argparse.Namespace) -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from lab2_trainer.report import device_peak, matmul_parameters, mfu
-    from lab2_trainer.shapes import training_flops_per_token
+    from lab2_trainer.models.shapes import training_flops_per_token
+    from lab2_trainer.reporting.report import device_peak, matmul_parameters, mfu
     from lab2bench.timing import measure as measure_time
 
     cfg = parse_config(argparse.ArgumentParser(), args.config)
@@ -146,7 +146,7 @@ def compiled_adamw(model, args: argparse.Namespace):
     import harness
     import torch
 
-    from lab2_trainer.parallel import param_groups
+    from lab2_trainer.parallel.parallelize import param_groups
 
     hyper = harness.adamw(next(model.parameters()).device)
     device = next(model.parameters()).device

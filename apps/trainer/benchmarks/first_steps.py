@@ -2,7 +2,7 @@
 norm of every step, beside the bound the defaults keep (``ln(vocab) + 0.5`` after step 1).
 
 Each preset's model is built and initialised by the trainer (``TransformerLM``), its
-learning rate, warm-up and decay come from ``lab2_trainer.recipe`` exactly as a run that
+learning rate, warm-up and decay come from ``lab2_trainer.recipe.defaults`` exactly as a run that
 gives no ``--lr`` gets them, and every step is the trainer's :func:`train_step` on batches
 of the default corpus. Eager, one process, nothing compiled: compilation does not change
 the arithmetic, and a probe of 40 steps would spend most of its time compiling.
@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from lab2_trainer.config import PRESETS, TrainSettings, model_config
-from lab2_trainer.data import BatchSampler, load_corpus
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import parallelize
-from lab2_trainer.recipe import preset_run
-from lab2_trainer.step import set_lr, train_step
-from lab2_trainer.train import WarmupCosine
+from lab2_trainer.data.batches import BatchSampler
+from lab2_trainer.data.corpus import load_corpus
+from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.parallel.parallelize import parallelize
+from lab2_trainer.recipe.defaults import preset_run
+from lab2_trainer.recipe.schedule import WarmupCosine
+from lab2_trainer.training.step import set_lr, train_step
 
 
 def reduced(preset: str, width: int | None, context_length: int | None) -> dict[str, Any]:

@@ -43,10 +43,15 @@ from lab2_trainer.config import (
     TrainSettings,
     model_config,
 )
-from lab2_trainer.parallel import Parallel, build_optimizer, fused_adamw_available, parallelize
-from lab2_trainer.report import device_label, device_peak
-from lab2_trainer.step import backward_thread as backward_on
-from lab2_trainer.step import train_step
+from lab2_trainer.parallel.parallelize import (
+    Parallel,
+    build_optimizer,
+    fused_adamw_available,
+    parallelize,
+)
+from lab2_trainer.reporting.report import device_label, device_peak
+from lab2_trainer.training.step import backward_thread as backward_on
+from lab2_trainer.training.step import train_step
 
 #: The micro model of ``--quick`` runs.
 MICRO = dict(d_model=32, d_ff=64, n_layers=2, n_heads=2, context_length=32)
@@ -178,7 +183,7 @@ def build_config(preset: str, *, context_length: int, vocab_size: int | None = N
 
 
 def build_model(config: ModelConfig, device: torch.device | str, *, seed: int = 0) -> nn.Module:
-    from lab2_trainer.model import TransformerLM
+    from lab2_trainer.models.transformer import TransformerLM
 
     return TransformerLM(config, seed=seed, device=torch.device(device)).train()
 
@@ -266,7 +271,7 @@ def make_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, mod
               backward_thread: str = "caller") -> Callable[[], Any]:
     """One unit of work on ``batch``: "forward" (loss included, autograd recording),
     "forward_backward" (gradients set to None first) or "train_step": the trainer's step
-    (:func:`lab2_trainer.step.train_step`, clipping at the trainer's default included;
+    (:func:`lab2_trainer.training.step.train_step`, clipping at the trainer's default included;
     fp16 with a gradient scaler on CUDA) of ``model`` and ``optimizer`` on one process."""
     idx, tgt = batch
 
@@ -309,7 +314,7 @@ def mfu_note(device: str) -> str:
 
 def step_marks(p: Parallel, batch: tuple[torch.Tensor, torch.Tensor], precision: str,
                device: torch.device, backward_thread: str = "caller") -> Callable[[], dict]:
-    """One training step of ``p`` (the trainer's :func:`lab2_trainer.step.train_step`,
+    """One training step of ``p`` (the trainer's :func:`lab2_trainer.training.step.train_step`,
     clipping included) marked at every point of :data:`POINTS`: CUDA events on the compute
     stream on GPU (nothing inside the step synchronises), wall time on the CPU. Returns a
     function that reads the marks later: seconds from the start to each point."""
@@ -384,7 +389,7 @@ def launch(fn: Callable[..., Any], args: argparse.Namespace, spec: RankSpec) -> 
     from lab2bench.ranks import RankError, spawn_ranks
 
     preload = ["torch.nn.parallel", "torch.distributed.optim", "tritonnorm", "minddp", "zero1",
-               "lab2_trainer.model", "lab2_trainer.parallel", "harness"]
+               "lab2_trainer.models.transformer", "lab2_trainer.parallel.parallelize", "harness"]
     try:
         return spawn_ranks(fn, args.world_size, spec, device=torch.device(args.device).type,
                            timeout=args.timeout, threads=args.threads, preload=preload)

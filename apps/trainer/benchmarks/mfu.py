@@ -17,7 +17,8 @@ DistributedDataParallel + ZeroRedundancyOptimizer) or ``none`` (no wrapper, plai
 a one-rank group, bf16 autocast, fused AdamW. After ``--warmup`` steps (compilation,
 AdamW's state) it times ``--windows`` windows of ``--steps`` back-to-back steps between CUDA
 events and keeps the best (the machine's other work only slows a window down). It reports
-ms/step, tokens/s, MFU and HFU (``lab2_trainer.report``), ``torch.cuda.max_memory_allocated``
+ms/step, tokens/s, MFU and HFU (``lab2_trainer.reporting.report``),
+``torch.cuda.max_memory_allocated``
 over the timed steps, and the planner's peak and step time with their errors (predicted ÷
 measured − 1). ``--plan-check`` runs the planner's check list unwrapped (``--stack none``,
 one window of 5 steps), a configuration starting only while ``--budget-s`` (280) leaves it
@@ -38,15 +39,15 @@ import torch
 import torch._dynamo
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, BACKWARD_THREADS, PRESETS
-from lab2_trainer.plan import GIB, Hardware, PlanInput, plan
-from lab2_trainer.report import (
+from lab2_trainer.models.shapes import training_flops_per_token
+from lab2_trainer.planner.plan import GIB, Hardware, PlanInput, plan
+from lab2_trainer.reporting.report import (
     device_label,
     device_peak,
     matmul_parameters,
     mfu,
     recompute_flops_per_token,
 )
-from lab2_trainer.shapes import training_flops_per_token
 from lab2bench.timing import measure as measure_time
 
 STACKS = {  # norm (None: the preset's), the trainer's --ddp and --sharding

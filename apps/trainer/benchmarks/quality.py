@@ -1,6 +1,6 @@
 """How good a model the trainer makes in a given wall clock, with its defaults: the
 validation loss beside gzip's and xz's figures on the same validation split (computed by
-``lab2_trainer.data.compression_baselines``, not quoted), the training loss beside it, and
+``lab2_trainer.data.corpus.compression_baselines``, not quoted), the training loss beside it, and
 the wall clock at which the validation loss first went below each compressor.
 
 Each run is the real ``lab2-train`` in a fresh process (as a user runs it), with

@@ -25,8 +25,8 @@ from typing import Any
 import harness
 from torch import nn
 
-from lab2_trainer.report import device_peak, matmul_parameters, mfu
-from lab2_trainer.shapes import training_flops_per_token
+from lab2_trainer.models.shapes import training_flops_per_token
+from lab2_trainer.reporting.report import device_peak, matmul_parameters, mfu
 
 STACKS: dict[str, tuple[str, str, str | None]] = {
     "ours": ("ours", "zero1", None),

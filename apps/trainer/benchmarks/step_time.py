@@ -24,8 +24,8 @@ import harness
 import torch
 
 from lab2_trainer.config import NORM_KINDS, PRECISIONS
-from lab2_trainer.report import device_peak, matmul_parameters, mfu
-from lab2_trainer.shapes import training_flops_per_token
+from lab2_trainer.models.shapes import training_flops_per_token
+from lab2_trainer.reporting.report import device_peak, matmul_parameters, mfu
 
 #: Modes timed by default, and the baseline of each comparison.
 MODES = {"none": "forward,forward_backward", "precision": ",".join(harness.MODES),

@@ -47,7 +47,7 @@ def held(v) -> dict[str, int]:
 
 
 def zero_rank(rank: int, world_size: int, spec: harness.RankSpec) -> dict[str, Any]:
-    from lab2_trainer.step import backward_thread as backward_on
+    from lab2_trainer.training.step import backward_thread as backward_on
     from lab2bench import peak_memory
     from lab2bench.comm import count_collectives
 

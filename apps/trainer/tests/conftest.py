@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab2_trainer.data import stdlib_root
+from lab2_trainer.data.corpus import stdlib_root
 
 
 @pytest.fixture(scope="module")

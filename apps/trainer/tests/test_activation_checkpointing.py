@@ -13,11 +13,11 @@ import torch
 
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM, recomputed_blocks, selective_kind
-from lab2_trainer.report import recompute_flops_per_token
-from lab2_trainer.shapes import block_matmul_parameters, flops_per_token
-from lab2_trainer.train import Trainer
+from lab2_trainer.models.shapes import block_matmul_parameters, flops_per_token
+from lab2_trainer.models.transformer import TransformerLM, recomputed_blocks, selective_kind
+from lab2_trainer.reporting.report import recompute_flops_per_token
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 
@@ -141,7 +141,7 @@ def test_checkpointing_on_ranks_matches_one_process_without_it(world_size, corpu
 
 
 def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
-    from lab2_trainer.report import Peak
+    from lab2_trainer.reporting.report import Peak
 
     s = tiny_settings(corpus_dir, tmp_path, steps=1, activation_checkpointing="full")
     trainer = Trainer(s.validate(1), DistContext())
@@ -155,7 +155,7 @@ def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
 
 
 def test_selective_falls_back_to_every_other_block_without_the_policy_api(monkeypatch):
-    import lab2_trainer.model as ac
+    import lab2_trainer.models.transformer as ac
 
     monkeypatch.setattr(ac, "has_op_policy", lambda: False)
     monkeypatch.setattr(ac, "_warned", False)

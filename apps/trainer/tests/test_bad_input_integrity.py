@@ -19,20 +19,20 @@ import pytest
 import torch
 
 from lab2_testing.cli import folder_listing
-from lab2_trainer import checkpoint as integrity
-from lab2_trainer.checkpoint import load_checkpoint
-from lab2_trainer.checkpoint_folders import (
+from lab2_trainer.checkpoint import single_file as integrity
+from lab2_trainer.checkpoint.folders import (
     MANIFEST,
     TRAINER_STATE,
     file_crc,
     load_trainer_state,
     write_manifest,
 )
-from lab2_trainer.cli import build_parser, given_settings, main, resolve_settings
+from lab2_trainer.checkpoint.single_file import load_checkpoint
+from lab2_trainer.cli.main import build_parser, given_settings, main, resolve_settings
 from lab2_trainer.config import UsageError
-from lab2_trainer.launch import DistContext
-from lab2_trainer.run_folder import LOCK_NAME, claim_folder, clean_stale_temporaries
-from lab2_trainer.train import Trainer
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.runtime.run_folder import LOCK_NAME, claim_folder, clean_stale_temporaries
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 
@@ -113,7 +113,7 @@ def test_flipped_payload_bytes_are_caught_naming_the_tensor(capsys, run_dir, tmp
     assert str(bad) in line and "damaged" in line
     assert "tensor model/tok_emb.weight does not match its checksum" in line
     # Found the same way by the command itself, in a fresh process.
-    proc = subprocess.run([sys.executable, "-c", "import sys; from lab2_trainer.cli import "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from lab2_trainer.cli.main import "
                            "main; sys.exit(main())", "--resume", str(bad), "--nproc", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr

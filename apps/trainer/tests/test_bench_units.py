@@ -125,7 +125,7 @@ def test_variants_step_the_trainers_adamw(scripts):
                           ("torch", torch.float32, "bfloat16 or float16")])
 def test_grad_sync_reduce_dtype_only_where_it_exists(kind, dtype, message):
     """Refused before any wrapper is built (no process group needed)."""
-    from lab2_trainer.parallel import Options, ddp_wrapper
+    from lab2_trainer.parallel.parallelize import Options, ddp_wrapper
 
     model = torch.nn.Linear(2, 2)
     options = Options(ddp=kind, device=torch.device("cpu"), lr=1e-3, betas=(0.9, 0.95),

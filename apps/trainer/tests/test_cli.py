@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab2_trainer.checkpoint_folders import load_trainer_state
-from lab2_trainer.cli import main
+from lab2_trainer.checkpoint.folders import load_trainer_state
+from lab2_trainer.cli.main import main
 
 torch.set_num_threads(1)
 

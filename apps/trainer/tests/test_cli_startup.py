@@ -8,13 +8,13 @@ from lab2_testing.cli import run_main
 
 
 def test_help_imports_no_torch():
-    run = run_main("lab2_trainer.cli", ["--help"])
+    run = run_main("lab2_trainer.cli.main", ["--help"])
     assert run.slow_imports == [], f"lab2-train --help imported {run.slow_imports}"
     assert run.code == 0, run
 
 
 def test_version():
-    run = run_main("lab2_trainer.cli", ["--version"])
+    run = run_main("lab2_trainer.cli.main", ["--version"])
     assert run.code == 0 and run.slow_imports == []
     assert run.out.strip() == f"lab2-train {importlib.metadata.version('lab2-trainer')}"
 
@@ -30,7 +30,8 @@ def test_the_runtime_imports_no_benchmark_package():
     import lab2_trainer
 
     root = Path(lab2_trainer.__file__).parent
-    names = sorted(f"lab2_trainer.{p.stem}" for p in root.glob("*.py") if p.stem != "__init__")
+    names = sorted("lab2_trainer." + ".".join(p.relative_to(root).with_suffix("").parts)
+                   for p in root.rglob("*.py") if p.stem not in ("__init__", "__main__"))
     code = ("import sys\n" + "".join(f"import {n}\n" for n in names)
             + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'lab2bench'))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lab2_testing.tn_numerics import rms_norm_ref
 from lab2_trainer.config import PRESETS, ModelConfig, model_config
-from lab2_trainer.model import ReferenceRMSNorm, TransformerLM, make_norm
+from lab2_trainer.models.transformer import ReferenceRMSNorm, TransformerLM, make_norm
 
 torch.set_num_threads(1)
 
@@ -39,7 +39,7 @@ def test_presets_match_the_handout():
     ("13B", 13.0, (5120, 40, 40)),
 ])
 def test_gpt3_presets_have_the_tables_shape_and_their_names_parameters(name, billions, shape):
-    from lab2_trainer.validate_inputs import shape_model
+    from lab2_trainer.models.transformer import shape_model
 
     c = model_config(name)  # the config only; the model below has meta tensors, no memory
     assert (c.d_model, c.n_layers, c.n_heads) == shape

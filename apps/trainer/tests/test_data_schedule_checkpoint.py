@@ -12,18 +12,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lab2_trainer import checkpoint as ckpt_mod
-from lab2_trainer.checkpoint import FORMAT, VERSION, load_checkpoint, save_atomic
+from lab2_trainer.checkpoint import single_file as ckpt_mod
+from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, load_checkpoint, save_atomic
 from lab2_trainer.config import UsageError
-from lab2_trainer.data import (
-    BatchSampler,
-    DataError,
-    check_batch_layout,
-    is_val_file,
-    load_corpus,
-    unigram_entropy,
-)
-from lab2_trainer.train import WarmupCosine
+from lab2_trainer.data.batches import BatchSampler, check_batch_layout
+from lab2_trainer.data.corpus import DataError, is_val_file, load_corpus, unigram_entropy
+from lab2_trainer.recipe.schedule import WarmupCosine
 
 
 def write_text_tree(root: Path, n_files: int = 40) -> None:

@@ -29,8 +29,8 @@ import torch
 
 from lab2_testing.cli import folder_listing
 from lab2_testing.procs import children, running, wait_for
-from lab2_trainer import checkpoint as integrity
-from lab2_trainer.checkpoint_folders import (
+from lab2_trainer.checkpoint import single_file as integrity
+from lab2_trainer.checkpoint.folders import (
     MANIFEST,
     TRAINER_STATE,
     file_crc,
@@ -38,7 +38,7 @@ from lab2_trainer.checkpoint_folders import (
     newest_step,
     write_manifest,
 )
-from lab2_trainer.cli import main
+from lab2_trainer.cli.main import main
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ torch.set_num_threads(1)
 B = ["--steps", "3", "--batch-size", "4", "--d-model", "32", "--n-layers", "1", "--n-heads",
      "2", "--d-ff", "64", "--context-length", "32", "--eval-batches", "1", "--eval-every", "0",
      "--sample-tokens", "0", "--no-plot", "--quiet"]
-CMD = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; sys.exit(main())"]
+CMD = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; sys.exit(main())"]
 START_S = 180  # a fresh interpreter importing torch on a loaded 2-core machine
 
 
@@ -172,9 +172,9 @@ def test_3_absurd_layer_counts_are_refused_at_once(capsys, monkeypatch, tmp_path
     refused([*B, "--n-layers", "1000000000000"], tmp_path / "case",
             "10,304,000,000,017,440 parameters", "of memory")
     assert time.monotonic() - start < 100  # a fresh interpreter's start, no work per layer
-    from lab2_trainer import validate_inputs
+    from lab2_trainer.cli import checks
 
-    monkeypatch.setattr(validate_inputs, "available_memory", lambda: 8 * 1024**3)
+    monkeypatch.setattr(checks, "available_memory", lambda: 8 * 1024**3)
     start = time.monotonic()
     refused_here(capsys, monkeypatch, [*B, "--n-layers", "100000"], tmp_path / "1e5",
                  "1,030,417,440 parameters")
@@ -183,8 +183,8 @@ def test_3_absurd_layer_counts_are_refused_at_once(capsys, monkeypatch, tmp_path
 
 def test_3_the_parameter_count_is_the_model_s():
     from lab2_trainer.config import model_config
-    from lab2_trainer.shapes import parameter_count
-    from lab2_trainer.validate_inputs import shape_model
+    from lab2_trainer.models.shapes import parameter_count
+    from lab2_trainer.models.transformer import shape_model
 
     for norm in ("tritonnorm", "layernorm"):
         for ffn in ("swiglu", "gelu"):
@@ -283,7 +283,7 @@ def test_8_bad_sharded_checkpoint_content_is_refused_in_the_launcher(
 # ------------------------------------------------------------- 9. an unreadable claim
 def test_9_an_unreadable_claim_is_taken_over_with_a_note(capsys, monkeypatch, corpus_dir,
                                                          tmp_path):
-    from lab2_trainer.run_folder import LOCK_NAME
+    from lab2_trainer.runtime.run_folder import LOCK_NAME
 
     old = time.time() - 3600
     for content, name in ((b"\x00garbage{", "garbage"), (b"", "empty")):
@@ -328,7 +328,7 @@ def test_10_a_resume_keeps_every_setting_of_its_run(finished, tmp_path):
 
 
 def test_10_the_rank_layout_is_kept_or_resolved_afresh_as_a_whole():
-    from lab2_trainer.cli import resumed_settings
+    from lab2_trainer.cli.main import resumed_settings
     from lab2_trainer.config import TrainSettings
 
     saved = TrainSettings(nproc=2, ddp="bucketed", sharding="zero1-allreduce", eval_every=7,
@@ -370,7 +370,7 @@ def test_12_a_stopped_rank_and_a_killed_launcher_leave_nothing_behind(world_size
         pytest.skip("the scenario is two ranks")
     import socket
 
-    from lab2_trainer.supervise import OWNER_NAME
+    from lab2_trainer.runtime.supervise import OWNER_NAME
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 B = ["--steps", "3", "--batch-size", "4", "--d-model", "32", "--n-layers", "1", "--n-heads",
      "2", "--d-ff", "64", "--context-length", "32", "--eval-batches", "1", "--eval-every", "0",
      "--sample-tokens", "0", "--no-plot", "--quiet", "--nproc", "1"]
-CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; sys.exit(main())"]
 START_S = 180  # a fresh interpreter importing torch on a loaded 2-core machine
 
 
@@ -126,7 +126,7 @@ def refused(corpus_dir, tmp_path_factory) -> dict[str, str]:
     and nothing changed on disk: the line of each."""
     cases = _prepare(tmp_path_factory.mktemp("refused"), corpus_dir)
     before = {name: entries(folder) for name, (folder, _) in cases.items()}
-    runs = run_mains("lab2_trainer.cli", list(cases.values()))
+    runs = run_mains("lab2_trainer.cli.main", list(cases.values()))
     lines = {}
     for (name, (folder, _)), run in zip(cases.items(), runs):
         assert entries(folder) == before[name], f"{name}: something changed on disk"

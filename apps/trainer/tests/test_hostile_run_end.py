@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from lab2_testing.procs import children, running, wait_for
-from lab2_trainer.cli import main
-from lab2_trainer.rank0_alone import rank0_alone
+from lab2_trainer.cli.main import main
+from lab2_trainer.runtime.rank0_alone import rank0_alone
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")]
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.timeout(300),
 B = ["--steps", "3", "--batch-size", "4", "--d-model", "32", "--n-layers", "1", "--n-heads",
      "2", "--d-ff", "64", "--context-length", "32", "--eval-batches", "1", "--eval-every", "0",
      "--sample-tokens", "0", "--no-plot", "--quiet"]
-CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; sys.exit(main())"]
 START_S = 180  # a fresh interpreter importing torch on a loaded 2-core machine
 
 
@@ -78,7 +78,7 @@ def _alone(ctx, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["working", "frozen"])
 def test_7_rank0_work_alone_is_not_bounded_but_a_frozen_rank0_is_named(capfd, how):
-    from lab2_trainer.launch import spawn_local
+    from lab2_trainer.runtime.launch import spawn_local
 
     start = time.monotonic()
     rc = spawn_local(2, "cpu", _alone, how, timeout_s=2)
@@ -178,7 +178,7 @@ def test_13_torchrun_s_agent_killed_is_one_line_of_ours(corpus_dir, tmp_path):
     agent = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m",
-         "lab2_trainer.cli", *B, "--data", str(corpus_dir), "--steps", "100000",
+         "lab2_trainer.cli.main", *B, "--data", str(corpus_dir), "--steps", "100000",
          "--log-every", "1", "--out", str(out)], cwd=tmp_path, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -203,7 +203,7 @@ def test_13_torchrun_s_agent_killed_is_one_line_of_ours(corpus_dir, tmp_path):
 
 # ----------------------------------------------------------------- 14. the corpus cache
 def test_14_a_damaged_corpus_cache_is_noticed_and_rebuilt(monkeypatch, tmp_path):
-    from lab2_trainer.data import load_stdlib_corpus
+    from lab2_trainer.data.corpus import load_stdlib_corpus
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("LAB2_CACHE_DIR", str(cache))

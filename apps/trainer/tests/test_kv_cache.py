@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.kv_cache import KVCache
-from lab2_trainer.model import TransformerLM
+from lab2_trainer.models.kv_cache import KVCache
+from lab2_trainer.models.transformer import TransformerLM
 
 torch.set_num_threads(1)
 CONTEXT = 24

@@ -28,7 +28,7 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64",
         "--eval-every", "0", "--sample-tokens", "0", "--quiet", "--no-plot", "--log-every", "1",
         "--lr", "1e-2", "--min-lr", "1e-2", "--warmup", "0", "--ddp", "bucketed",
         "--sharding", "zero1-allreduce", "--bucket-mb", "0.01", "--timeout", "120"]
-CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; sys.exit(main())"]
 RUN_S = 300  # four fresh interpreters importing torch on a loaded 2-core machine
 
 

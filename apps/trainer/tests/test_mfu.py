@@ -7,19 +7,13 @@ import json
 import pytest
 import torch
 
-from lab2_trainer import train as train_module
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.report import (
-    Peak,
-    device_peak,
-    matmul_parameters,
-    mfu,
-    peak_for_name,
-)
-from lab2_trainer.shapes import training_flops_per_token
-from lab2_trainer.train import Trainer
+from lab2_trainer.models.shapes import training_flops_per_token
+from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.reporting.report import Peak, device_peak, matmul_parameters, mfu, peak_for_name
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training import loop as train_module
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 

@@ -16,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lab2_testing.dist import run_ranks
-from lab2_trainer.cli import main
+from lab2_trainer.cli.main import main
 from lab2_trainer.config import ModelConfig, model_config
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.plan import (
+from lab2_trainer.models.shapes import checkpoint_bytes, parameter_counts, training_state_parts
+from lab2_trainer.models.transformer import TransformerLM, shape_model
+from lab2_trainer.planner.plan import (
     GIB,
     Hardware,
     PlanInput,
@@ -29,8 +30,6 @@ from lab2_trainer.plan import (
     plan,
     step_time,
 )
-from lab2_trainer.shapes import checkpoint_bytes, parameter_counts, training_state_parts
-from lab2_trainer.validate_inputs import shape_model
 
 torch.set_num_threads(1)
 
@@ -54,7 +53,7 @@ def test_parameter_counts_are_the_models(kw):
     model = TransformerLM(c)
     counts = parameter_counts(c)
     assert counts["total"] == model.num_parameters()
-    from lab2_trainer.report import matmul_parameters
+    from lab2_trainer.reporting.report import matmul_parameters
 
     assert counts["matmul"] == matmul_parameters(model)
 
@@ -85,7 +84,7 @@ def test_parameters_gradients_and_adamw_state_are_the_real_tensors_bytes():
 
 
 def _rank_bytes(rank, world_size, sharding):
-    from lab2_trainer.parallel import parallelize
+    from lab2_trainer.parallel.parallelize import parallelize
 
     c = config(n_layers=3, norm="torch")
     model = TransformerLM(c)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lab2_trainer.data import BatchSampler, Prefetcher
+from lab2_trainer.data.batches import BatchSampler, Prefetcher
 
 
 def test_prefetched_batches_are_the_samplers_and_the_state_counts_those_used():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from lab2_testing.cli import folder_listing
-from lab2_trainer.cli import main
+from lab2_trainer.cli.main import main
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.profiling import trace_name
-from lab2_trainer.train import Trainer
+from lab2_trainer.reporting.profiling import trace_name
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 

@@ -53,7 +53,7 @@ def _dies_mid_reduce_scatter(ctx, stage: int) -> None:
 @pytest.mark.gloo
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_rank_killed_mid_reduce_scatter_is_named(capfd, stage):
-    from lab2_trainer.launch import spawn_local
+    from lab2_trainer.runtime.launch import spawn_local
 
     start = time.monotonic()
     rc = spawn_local(2, "cpu", _dies_mid_reduce_scatter, stage, timeout_s=5)
@@ -80,7 +80,7 @@ def test_lab2_train_zero2_names_a_killed_rank_within_the_timeout(corpus_dir, tmp
     out = tmp_path / "run"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; "
+        [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; "
          "sys.exit(main())", *TINY, "--data", str(corpus_dir), "--steps", "100000",
          "--log-every", "1", "--timeout", "5", "--out", str(out)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

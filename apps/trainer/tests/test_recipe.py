@@ -10,12 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lab2_trainer import recipe
 from lab2_trainer.config import ModelConfig, TrainSettings, model_config
-from lab2_trainer.data import Corpus, compression_baselines
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import param_groups
-from lab2_trainer.report import compression_text
+from lab2_trainer.data.corpus import Corpus, compression_baselines
+from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.parallel.parallelize import param_groups
+from lab2_trainer.recipe import defaults as recipe
+from lab2_trainer.reporting.report import compression_text
 
 torch.set_num_threads(1)
 
@@ -111,7 +111,7 @@ def test_the_summary_names_the_best_compressor():
 
 
 def _new_run(tmp_path, argv):
-    from lab2_trainer.cli import build_parser, given_settings, resolve_settings
+    from lab2_trainer.cli.main import build_parser, given_settings, resolve_settings
 
     args = build_parser().parse_args([*argv, "--nproc", "1", "--out", str(tmp_path / "run")])
     return resolve_settings(given_settings(args), "cpu")[0]

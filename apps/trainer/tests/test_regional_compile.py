@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 
 from lab2_testing.ddp_testkit import relative_error
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import compile_model
+from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.parallel.parallelize import compile_model
 
 torch.set_num_threads(1)
 

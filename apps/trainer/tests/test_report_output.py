@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rich.progress import BarColumn, SpinnerColumn
 
-from lab2_trainer.report import RunReporter, bytes_as_text, ratio_text
+from lab2_trainer.reporting.report import RunReporter, bytes_as_text, ratio_text
 
 
 def test_sample_text_escapes_undecodable_bytes_and_controls():

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from lab2_testing.procs import children, running, wait_for
-from lab2_trainer.checkpoint_folders import load_trainer_state, newest_step, verify
-from lab2_trainer.cli import main
+from lab2_trainer.checkpoint.folders import load_trainer_state, newest_step, verify
+from lab2_trainer.cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux",
                                                    reason="reads /proc")]
@@ -42,7 +42,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _launch(args: list[str], tmp: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; "
+    cmd = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; "
            "sys.exit(main())", *args]
     # Its own session (a terminal's process group, for Ctrl-C), with SIGINT's default
     # action even where this test runs with SIGINT ignored.
@@ -85,7 +85,7 @@ def test_second_run_into_a_claimed_folder_is_refused_and_the_first_keeps_its_res
     first, ranks = _training_run(corpus_dir, out, tmp_path, "--ckpt-every", "2")
     try:
         second = subprocess.run(
-            [sys.executable, "-c", "import sys; from lab2_trainer.cli import main; "
+            [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; "
              "sys.exit(main())", *TINY, "--data", str(corpus_dir), "--steps", "8",
              "--ckpt-every", "2", "--seed", "1", "--out", str(out)],
             env=_env(tmp_path), capture_output=True, text=True, timeout=START_S)
@@ -185,7 +185,7 @@ def _stuck_or_killed(ctx, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["stuck", "killed", "terminated"])
 def test_the_launcher_names_a_stuck_or_killed_rank(capfd, how):
-    from lab2_trainer.launch import spawn_local
+    from lab2_trainer.runtime.launch import spawn_local
 
     start = time.monotonic()
     rc = spawn_local(2, "cpu", _stuck_or_killed, how, timeout_s=3)

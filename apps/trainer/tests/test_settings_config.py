@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lab2_trainer.cli import build_parser, main, setting_fields
+from lab2_trainer.cli.flags import setting_fields
+from lab2_trainer.cli.main import build_parser, main
 from lab2_trainer.config import ModelConfig, TrainSettings, field_docs, flag, from_toml, to_toml
 
 SMALL = ["--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",

@@ -20,22 +20,22 @@ import torch
 
 from lab2_testing.ddp_testkit import bitwise_equal
 from lab2_testing.procs import wait_for
-from lab2_trainer import checkpoint_writer
-from lab2_trainer import train as train_module
-from lab2_trainer.checkpoint_folders import (
+from lab2_trainer.checkpoint import writer as checkpoint_writer
+from lab2_trainer.checkpoint.export import export
+from lab2_trainer.checkpoint.folders import (
     MANIFEST,
-    export,
     load_trainer_state,
     newest_step,
     resolve,
-    saved_tensors,
 )
-from lab2_trainer.cli import main
+from lab2_trainer.checkpoint.parts import saved_tensors
+from lab2_trainer.cli.main import main
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM
-from lab2_trainer.parallel import param_groups
-from lab2_trainer.train import Trainer
+from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.parallel.parallelize import param_groups
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training import loop as train_module
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 
@@ -101,11 +101,11 @@ def test_a_background_save_overlaps_steps_and_writes_what_a_foreground_one_does(
 _KILLED_RUN = """
 import json, sys, time
 from pathlib import Path
-from lab2_trainer import checkpoint_writer
-from lab2_trainer import train as train_module
+from lab2_trainer.checkpoint import writer as checkpoint_writer
+from lab2_trainer.training import loop as train_module
 from lab2_trainer.config import TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.train import Trainer
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training.loop import Trainer
 
 fields = json.loads(sys.argv[1])
 real_crc = checkpoint_writer.file_crc

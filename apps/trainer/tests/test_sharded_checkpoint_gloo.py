@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from lab2_testing.dist import run_ranks
-from lab2_trainer.checkpoint_folders import export
+from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.train import Trainer
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 
@@ -124,12 +124,11 @@ def _zero3_rank(rank, world_size, out):
     from torch.distributed.checkpoint import FileSystemReader
 
     import zero1
-    from lab2_trainer.checkpoint import FORMAT, VERSION, rng_state
-    from lab2_trainer.checkpoint_folders import saved_tensors
-    from lab2_trainer.checkpoint_writer import Checkpointer
-    from lab2_trainer.model import TransformerLM
-    from lab2_trainer.parallel import param_groups
-    from lab2_trainer.sharded_checkpoint import load_into
+    from lab2_trainer.checkpoint.parts import load_into, saved_tensors
+    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
+    from lab2_trainer.checkpoint.writer import Checkpointer
+    from lab2_trainer.models.transformer import TransformerLM
+    from lab2_trainer.parallel.parallelize import param_groups
     from zero1.checkpoint import pack_param_groups
 
     s = settings("unused", out, "none")

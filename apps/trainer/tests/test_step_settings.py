@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from lab2_trainer.cli import build_parser
+from lab2_trainer.cli.main import build_parser
 from lab2_trainer.config import UsageError
-from lab2_trainer.step import backward_thread
+from lab2_trainer.training.step import backward_thread
 
 
 def test_caller_turns_autograd_workers_off_for_this_thread_only():

@@ -9,8 +9,8 @@ import torch
 from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.train import Trainer
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch._dynamo
 
-from lab2_trainer import wall_clock
 from lab2_trainer.config import ModelConfig, TrainSettings
-from lab2_trainer.launch import DistContext
-from lab2_trainer.train import Trainer
-from lab2_trainer.wall_clock import PHASES, WallClock, checkpoint_stall
+from lab2_trainer.runtime import wall_clock
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.runtime.wall_clock import PHASES, WallClock, checkpoint_stall
+from lab2_trainer.training.loop import Trainer
 
 torch.set_num_threads(1)
 

@@ -46,7 +46,7 @@ HF_LLAMA = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
 
 def trainer_model(preset: str, norm: str, batch: int):
     from lab2_trainer.config import model_config
-    from lab2_trainer.model import TransformerLM
+    from lab2_trainer.models.transformer import TransformerLM
 
     config = model_config(preset, context_length=512, vocab_size=10000,
                           norm="torch" if norm == "torch" else "tritonnorm")

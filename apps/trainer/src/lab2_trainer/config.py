@@ -35,7 +35,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from lab2_trainer.recipe import EMBED_SCALE
+from lab2_trainer.recipe.defaults import EMBED_SCALE
 from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
@@ -163,7 +163,7 @@ class ModelConfig:
     """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
     embed_scale: float = setting(EMBED_SCALE, group="model", default_text="35.36")
     """Multiplier of the token-plus-position embedding: with the tables' N(0, 0.02) it
-    starts the residual stream at unit RMS (lab2_trainer.recipe says why)."""
+    starts the residual stream at unit RMS (lab2_trainer.recipe.defaults says why)."""
     dropout: float = setting(0.0, group="model")
     """Dropout rate on the embedding and on each attention and feed-forward output while
     training (0: none). On the default corpus, 0.1 did not lower medium's loss at 1,500
@@ -340,7 +340,8 @@ class TrainSettings:
     """Micro-batches per step on each rank."""
     lr: float | None = setting(None, group="optimisation",
                                default_text="0.4 / d_model (5.2e-4 in small); 6e-3 in tiny")
-    """Peak learning rate (lab2_trainer.recipe: GPT-3's table as one rule over the width)."""
+    """Peak learning rate (lab2_trainer.recipe.defaults: GPT-3's table as one rule over the
+    width)."""
     min_lr: float | None = setting(None, group="optimisation", default_text="lr / 10")
     """Final learning rate, in [0, lr]."""
     warmup: int | None = setting(None, group="optimisation",
@@ -475,10 +476,10 @@ class TrainSettings:
         return self
 
     def fill_recipe(self) -> TrainSettings:
-        """Fill the optimisation settings still unset from :mod:`lab2_trainer.recipe`: the
+        """Fill the optimisation settings still unset from :mod:`lab2_trainer.recipe.defaults`: the
         learning rate from the model's width, the final one from it, the warm-up from the
         run's length (values of the wrong type are left for :meth:`check` to name)."""
-        from lab2_trainer import recipe  # imports nothing heavy
+        from lab2_trainer.recipe import defaults as recipe
 
         if self.lr is None and _is_number(self.model.d_model):
             self.lr = recipe.default_lr(self.model.d_model)

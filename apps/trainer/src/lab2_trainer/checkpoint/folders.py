@@ -1,5 +1,4 @@
-"""Sharded checkpoints on disk: one folder per saved step, a manifest written last, and
-the single-file export.
+"""Sharded checkpoints on disk: one folder per saved step, a manifest written last.
 
 A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 (``step-000100/``), each holding:
@@ -7,7 +6,7 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 * what ``torch.distributed.checkpoint`` wrote: one ``__<rank>_<n>.distcp`` file per
   writing rank and ``.metadata`` (which ranges of which tensors are where);
 * ``trainer.pt``: the run's small state, the fields of a single-file checkpoint
-  (:mod:`lab2_trainer.checkpoint`) but the tensors of the model and of the optimizer
+  (:mod:`lab2_trainer.checkpoint.single_file`) but the tensors of the model and of the optimizer
   (``step``, ``settings``, ``sampler``, ``rng``, ``optimizer_groups``, ...), sealed with
   its own checksums;
 * ``manifest.json``, written last and atomically by rank 0 once every rank's files are
@@ -16,9 +15,8 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
   it, and :func:`verify` refuses a folder whose files do not match it (missing,
   truncated, corrupt).
 
-``lab2-train export`` turns a step folder into one single-file checkpoint
-(:func:`export`): a plain ``torch.load`` holding the model's state dict and AdamW's own
-state dict, which ``--resume`` also takes.
+What the ``.distcp`` files hold, and how, is :mod:`lab2_trainer.checkpoint.parts`; the export
+to one file is :mod:`lab2_trainer.checkpoint.export`.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from typing import Any
 import torch
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.run_folder import atomic_write, atomic_write_text
+from lab2_trainer.runtime.run_folder import atomic_write_text
 
 CKPT_DIR = "ckpt"
 MANIFEST = "manifest.json"
@@ -165,7 +163,7 @@ def resolve(path: str | os.PathLike) -> Path:
     Raises:
         UsageError: nothing there, or no complete checkpoint.
     """
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint.single_file import CHECKPOINT_NAME
 
     p = Path(path).expanduser()
     if p.is_file():
@@ -188,7 +186,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def has_checkpoint(run: str | os.PathLike) -> bool:
     """Whether a run folder holds a checkpoint (complete or not) of either format."""
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME
+    from lab2_trainer.checkpoint.single_file import CHECKPOINT_NAME
 
     run = Path(run)
     return (run / CHECKPOINT_NAME).exists() or is_checkpoint_root(run / CKPT_DIR)
@@ -217,17 +215,17 @@ def prune(root: Path, keep_last: int, newest: int) -> list[str]:
 # --------------------------------------------------------------------- the small state
 def save_trainer_state(folder: Path, state: dict[str, Any]) -> tuple[int, int]:
     """``trainer.pt``, sealed and written atomically; returns its (bytes, CRC-32)."""
-    from lab2_trainer.checkpoint import save_atomic
+    from lab2_trainer.checkpoint.single_file import save_atomic
 
     save_atomic(state, folder / TRAINER_STATE)
     return file_crc(folder / TRAINER_STATE)
 
 
 def trainer_state(trainer: Any) -> dict[str, Any]:
-    """What ``trainer.pt`` holds of a :class:`lab2_trainer.train.Trainer` (rank 0's)."""
-    from lab2_trainer.checkpoint import FORMAT as FILE_FORMAT
-    from lab2_trainer.checkpoint import VERSION as FILE_VERSION
-    from lab2_trainer.checkpoint import rng_state
+    """What ``trainer.pt`` holds of a :class:`lab2_trainer.training.loop.Trainer` (rank 0's)."""
+    from lab2_trainer.checkpoint.single_file import FORMAT as FILE_FORMAT
+    from lab2_trainer.checkpoint.single_file import VERSION as FILE_VERSION
+    from lab2_trainer.checkpoint.single_file import rng_state
     from zero1.checkpoint import pack_param_groups
 
     return {
@@ -253,29 +251,16 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
 def load_trainer_state(folder: Path) -> dict[str, Any]:
     """``trainer.pt`` of a step folder, read and checked as a single-file checkpoint is
     (format, version, checksums), less the tensors of the model and the optimizer."""
-    from lab2_trainer.checkpoint import read_sealed
+    from lab2_trainer.checkpoint.single_file import read_sealed
 
     return read_sealed(folder / TRAINER_STATE, shards=True)
-
-
-def saved_tensors(folder: Path) -> dict[str, Any]:
-    """DCP's metadata of a step folder: each tensor's name -> its storage metadata.
-
-    Raises:
-        UsageError: the metadata cannot be read.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
-    except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None
 
 
 def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
     """The first floating tensor of a step folder holding NaN or infinity, described
     (None when all are finite). Read a few at a time (``budget`` bytes), never all."""
+    from lab2_trainer.checkpoint.parts import full_tensors, saved_tensors
+
     meta = saved_tensors(folder)
     batch: list[str] = []
     size = 0
@@ -295,89 +280,3 @@ def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
     return None
 
 
-# -------------------------------------------------------------------------- export
-def full_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The whole 1-D tensors ``names`` of a step folder (one process, no process group)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from lab2_trainer.sharded_checkpoint import Part, read_parts
-
-    meta = saved_tensors(folder)
-    parts = []
-    for name in names:
-        md = meta[name]
-        parts.append(Part(name, int(md.size[0]), 0,
-                          torch.empty(int(md.size[0]), dtype=md.properties.dtype)))
-    read_parts(parts, FileSystemReader(str(folder)))
-    return {p.key: p.data for p in parts}
-
-
-def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write a step folder (or the newest of a run) as one single-file checkpoint: the
-    model's state dict and AdamW's own state dict (parameters numbered in the optimizer's
-    order), with the run's settings, position and random state, which ``--resume`` takes.
-
-    Returns:
-        The step folder exported.
-
-    Raises:
-        UsageError: the source is not a complete, intact checkpoint.
-    """
-    from lab2_trainer.checkpoint import FORMAT as FILE_FORMAT
-    from lab2_trainer.checkpoint import VERSION as FILE_VERSION
-    from lab2_trainer.checkpoint import save_atomic
-    from lab2_trainer.config import ModelConfig
-    from lab2_trainer.sharded_checkpoint import MOMENTS, model_key, parameter_names, state_key
-    from lab2_trainer.validate_inputs import shape_model
-
-    folder = resolve(source)
-    if folder.is_file():
-        raise UsageError(f"{folder} is a single-file checkpoint already")
-    verify(folder)
-    small = load_trainer_state(folder)
-    model = shape_model(ModelConfig.from_dict(small["model_config"]))
-    names = parameter_names(model)
-    meta = saved_tensors(folder)
-    keys = [model_key(n) for n in names.values()]
-    keys += [k for n in names.values() for k in
-             [state_key(n, m) for m in (*MOMENTS, "step")] if k in meta]
-    flat = full_tensors(folder, keys)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    model_state = {name: flat[model_key(names[id(p)])].view(p.shape)
-                   for name, p in params.items()}
-    state = {}
-    order = [p for g in small["optimizer_groups"] for p in g["params"]]
-    by_number = dict(zip(order, _optimizer_order(model, small)))
-    for number, p in by_number.items():
-        name = names[id(p)]
-        if state_key(name, "exp_avg") in flat:
-            state[number] = {**{m: flat[state_key(name, m)].view(p.shape) for m in MOMENTS},
-                             "step": flat[state_key(name, "step")].reshape(())}
-    body = {k: v for k, v in small.items() if k not in ("format", "version", "checksums",
-                                                       "optimizer_groups", "sharded")}
-    save_atomic({"format": FILE_FORMAT, "version": FILE_VERSION, **body,
-                 "model": model_state,
-                 "optimizer": {"state": state, "param_groups": small["optimizer_groups"]}},
-                out)
-    return folder
-
-
-def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torch.Tensor]:
-    """The parameters in the trainer's AdamW order (``parallel.param_groups``)."""
-    from lab2_trainer.parallel import param_groups
-
-    decay = small["settings"].get("weight_decay", 0.0)
-    return [p for g in param_groups(model, decay) for p in g["params"]]
-
-
-def write_export(source: str, out: str) -> int:
-    """``lab2-train export CKPT OUT``'s work; returns the exit code."""
-    if Path(out).is_dir():
-        raise UsageError(f"{out} is a folder; export writes one file")
-    folder = export(source, out)
-    print(f"lab2-train: exported {folder} to {out}")
-    return 0
-
-
-def copy_bytes_atomic(data: bytes, path: Path) -> None:
-    atomic_write(path, lambda f: f.write(data))

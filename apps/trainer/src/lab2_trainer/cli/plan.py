@@ -1,12 +1,12 @@
-"""``lab2-train plan``: print the prediction of :mod:`lab2_trainer.plan` as tables, JSON or a
-scaling plot.
+"""``lab2-train plan``: print the prediction of :mod:`lab2_trainer.planner.plan` as tables, JSON
+or a scaling plot.
 
 Its flags that say what to run are ``lab2-train``'s, built from the same settings fields
 (``--preset``, the model's fields, ``--batch-size``, ``--grad-accum``, ``--precision``,
 ``--sharding``, ``--ddp``, ``--activation-checkpointing``, ``--compile``,
 ``--reshard-after-forward``, ``--bucket-mb``) with the same defaults, so a run's flags plan
 that run; ``--gpus-per-node`` x ``--nodes`` is the world, and the machine's figures are
-:class:`lab2_trainer.plan.Hardware`'s fields. Bad input costs one line on stderr and exit
+:class:`lab2_trainer.planner.plan.Hardware`'s fields. Bad input costs one line on stderr and exit
 code 2.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import sys
 from typing import Any
 
-from lab2_trainer.cli import add_setting_flag, setting_fields
+from lab2_trainer.cli.flags import add_setting_flag, setting_fields
 from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
     EXIT_BAD_INPUT,
@@ -29,8 +29,8 @@ from lab2_trainer.config import (
     UsageError,
     model_config,
 )
-from lab2_trainer.plan import GIB, Hardware, PlanInput, plan
-from lab2_trainer.validate_inputs import check_output_file, shown
+from lab2_trainer.planner.plan import GIB, Hardware, PlanInput, plan
+from lab2_trainer.runtime.paths import check_output_file, shown
 
 #: GPU counts of ``--plot``, and the GPUs a node beyond the first.
 SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -158,7 +158,7 @@ def draw(rows: list[dict[str, Any]], path: str, title: str, gpu_memory_gib: floa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab2_trainer.run_folder import atomic_write
+    from lab2_trainer.runtime.run_folder import atomic_write
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for sharding in SHARDING_KINDS:

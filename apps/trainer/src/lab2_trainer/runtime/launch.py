@@ -8,7 +8,7 @@ several machines run ``torchrun`` on each. Either way every rank enters through
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and ends up with a
 :class:`DistContext` naming its rank, the world size and its device.
 
-The ranks are supervised by :mod:`lab2_trainer.supervise`: they die with their launcher,
+The ranks are supervised by :mod:`lab2_trainer.runtime.supervise`: they die with their launcher,
 take SIGTERM as Ctrl-C, and a rank that fails or goes silent is named.
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
-from lab2_trainer.run_folder import WriteFailed, write_failure
-from lab2_trainer.supervise import (
+from lab2_trainer.runtime.run_folder import WriteFailed, write_failure
+from lab2_trainer.runtime.supervise import (
     FAILED,
     PEER_LOST,
     TIMED_OUT,
@@ -42,7 +42,7 @@ from lab2_trainer.supervise import (
     make_watch_folder,
     signal_name,
 )
-from lab2_trainer.wall_clock import mark_launch
+from lab2_trainer.runtime.wall_clock import mark_launch
 from lab2bench._process import threads_per_rank
 
 
@@ -148,7 +148,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
              folder: str | None = None, launcher_pid: int | None = None,
              threads: int | None = None) -> int:
     """The entry of every rank, local (the elastic agent of :func:`spawn_local` runs it) or
-    started by ``torchrun``: guard the rank (:class:`lab2_trainer.supervise.RankGuard`),
+    started by ``torchrun``: guard the rank (:class:`lab2_trainer.runtime.supervise.RankGuard`),
     join the process group and run ``fn(ctx, *args)``; return the rank's exit code, having
     printed one message when it failed.
 

@@ -1,12 +1,12 @@
 """Predict a run's peak memory per GPU and its step time, before running it (no GPU
-needed): :func:`plan`. ``lab2-train plan`` (:mod:`lab2_trainer.plan_cli`) prints it.
+needed): :func:`plan`. ``lab2-train plan`` (:mod:`lab2_trainer.cli.plan`) prints it.
 Everything is arithmetic on the model's shape; no torch is imported.
 
 Memory, per GPU, item by item (:func:`memory_items`):
 
 * **parameters, gradients, optimizer state**: fp32 weights, fp32 gradients and AdamW's two
   fp32 moments, sharded as ``--sharding`` shards them: the trainer's one formula,
-  :func:`lab2_trainer.shapes.training_state_parts`;
+  :func:`lab2_trainer.models.shapes.training_state_parts`;
 * **sharding buffers**: zero1 stage 1 keeps its averaged gradient shard (4/N bytes a
   parameter) beside the full gradient buffer; zero2 one send buffer of the largest bucket;
   fsdp the gathered weights of the block running and the one prefetched; zero3
@@ -35,7 +35,7 @@ produces the gradients, so the larger of the two counts. Where the gradients per
 (``grad_accum`` > 1), both count.
 
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
-:func:`lab2_trainer.shapes.flops_per_token`'s ``6 N + 12 L d T``, plus the
+:func:`lab2_trainer.models.shapes.flops_per_token`'s ``6 N + 12 L d T``, plus the
 recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
 (:attr:`Hardware.efficiency`); and the communication of the sharding kind,
 from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
@@ -46,7 +46,7 @@ bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
 block's. The exposed part is reported.
 
-A checkpoint (:func:`lab2_trainer.shapes.checkpoint_bytes`): its size, and the CPU memory
+A checkpoint (:func:`lab2_trainer.models.shapes.checkpoint_bytes`): its size, and the CPU memory
 each rank stages its part in; no rank gathers a full copy.
 """
 
@@ -67,7 +67,7 @@ from lab2_trainer.config import (
     default_layout,
     setting,
 )
-from lab2_trainer.shapes import (
+from lab2_trainer.models.shapes import (
     checkpoint_bytes,
     flops_per_token,
     parameter_counts,

@@ -48,7 +48,7 @@ def rank0_alone(ctx: Any, what: str, work: Callable[[], T], timeout_s: float) ->
     (None on the other ranks).
 
     Args:
-        ctx: the rank's :class:`lab2_trainer.launch.DistContext`.
+        ctx: the rank's :class:`lab2_trainer.runtime.launch.DistContext`.
         what: the work, in words, for the message of a rank that gives up.
         work: what rank 0 does.
         timeout_s: how long the others wait for a beat (``--timeout``).

@@ -3,7 +3,8 @@ model's shape alone.
 
 A run that gives no ``--lr``, ``--min-lr`` or ``--warmup`` takes them from here
 (:func:`default_lr`, :func:`default_min_lr`, :func:`default_warmup`, filled in by
-``TrainSettings.resolve``), and :meth:`lab2_trainer.model.TransformerLM.reset_parameters`
+``TrainSettings.resolve``), and
+:meth:`lab2_trainer.models.transformer.TransformerLM.reset_parameters`
 initialises the weights with the standard deviations here (:func:`init_stds`).
 
 **Learning rate: 0.4 / d_model.** GPT-3's table (Brown et al. 2020, table 2.1) gives a peak

@@ -41,6 +41,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from lab2_trainer.config import UsageError
 
 #: AdamW's per-parameter tensors of the parameter's size.
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -331,6 +334,36 @@ def _alone_is_meant(distributed: bool) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------- loading
+def saved_tensors(folder: Path) -> dict[str, Any]:
+    """DCP's metadata of a step folder: each tensor's name -> its storage metadata.
+
+    Raises:
+        UsageError: the metadata cannot be read.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None
+
+
+# -------------------------------------------------------------------------- export
+def full_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The whole 1-D tensors ``names`` of a step folder (one process, no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = saved_tensors(folder)
+    parts = []
+    for name in names:
+        md = meta[name]
+        parts.append(Part(name, int(md.size[0]), 0,
+                          torch.empty(int(md.size[0]), dtype=md.properties.dtype)))
+    read_parts(parts, FileSystemReader(str(folder)))
+    return {p.key: p.data for p in parts}
+
+
 def load_folder(folder: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 sharding: str) -> None:
     """Read this rank's part of the model and of AdamW's state from a step folder (every
@@ -342,8 +375,6 @@ def load_folder(folder: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    from lab2_trainer.checkpoint_folders import saved_tensors
-    from lab2_trainer.config import UsageError
 
     try:
         load_into(model, optimizer, sharding, FileSystemReader(str(folder)),

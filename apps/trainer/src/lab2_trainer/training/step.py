@@ -6,7 +6,7 @@ Per step: this rank's micro-batches of the global batch; forward and backward un
 autocast, inside ``no_sync`` for all micro-batches but the last; gradient averaging;
 clipping by the global norm of the averaged gradients; the optimizer step. What wraps the
 model (DDP wrapper, zero1's gradient hooks, FSDP2) is set up by
-:func:`lab2_trainer.parallel.parallelize`; the step goes through its ``Parallel``, whose
+:func:`lab2_trainer.parallel.parallelize.parallelize`; the step goes through its ``Parallel``, whose
 ``no_sync``, ``finish`` and ``clip_grad_norm_`` are the right ones for every kind (with
 zero1, zero2, zero3 and fsdp the model's ``.grad`` is not the averaged gradient, so the norm comes
 from the optimizer or from the sharded gradients). Each rank's loss is the mean over its
@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from lab2_trainer.config import BACKWARD_THREADS, PRECISIONS
-from lab2_trainer.parallel import Parallel
+from lab2_trainer.parallel.parallelize import Parallel
 
 
 def train_step(parallel: Parallel, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],

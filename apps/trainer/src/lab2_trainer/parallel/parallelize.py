@@ -41,7 +41,7 @@ from torch import nn
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: the matrices decay; vectors (norm weights, biases) and the embedding
-    tables do not (the tables set the residual stream's scale: lab2_trainer.recipe)."""
+    tables do not (the tables set the residual stream's scale: lab2_trainer.recipe.defaults)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():  # tied weights come once

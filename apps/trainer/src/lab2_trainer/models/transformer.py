@@ -1,5 +1,5 @@
 """A decoder-only Transformer language model with a selectable norm layer, decoding through
-a KV cache (:mod:`lab2_trainer.kv_cache`), and activation checkpointing of its blocks.
+a KV cache (:mod:`lab2_trainer.models.kv_cache`), and activation checkpointing of its blocks.
 
 Pre-norm blocks (norm -> causal self-attention -> residual, norm -> feed-forward ->
 residual), learned absolute positions, a final norm and a linear LM head. Attention goes
@@ -32,9 +32,6 @@ is taken inside each block's forward (:meth:`Block.forward`), so module hooks (F
 run around it and never in the recompute, whose parameters FSDP2's pre-backward hook has
 gathered; and a compiled block holds its checkpoint in its graph.
 """
-
-from __future__ import annotations
-
 import contextlib
 import functools
 import warnings
@@ -48,8 +45,8 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, ModelConfig
-from lab2_trainer.kv_cache import KVCache, LayerKV
-from lab2_trainer.recipe import init_stds
+from lab2_trainer.models.kv_cache import KVCache, LayerKV
+from lab2_trainer.recipe.defaults import init_stds
 from tritonnorm.nn import FusedAddRMSNorm
 
 
@@ -319,8 +316,9 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Initialise every weight from ``seed`` with :func:`lab2_trainer.recipe.init_stds`:
-        embedding tables N(0, 0.02) (``embed_scale`` brings their sum to unit RMS);
+        """Initialise every weight from ``seed`` with
+        :func:`lab2_trainer.recipe.defaults.init_stds`: embedding tables N(0, 0.02)
+        (``embed_scale`` brings their sum to unit RMS);
         matrices N(0, 0.02), those that write into the residual stream N(0, 0.02 /
         sqrt(2 n_layers)); the LM head N(0, 0.5 / sqrt(d_model)): near-uniform logits;
         norm weights one, biases zero. The recipe's docstring says why."""
@@ -621,3 +619,13 @@ def recomputed_blocks(kind: str, n_layers: int) -> int:
     if kind == "selective" and selective_kind() == "every-other-block":
         return (n_layers + 1) // 2
     return 0
+
+
+def shape_model(config: Any):
+    """The model with ``meta`` tensors: shapes and names only, no memory, no init."""
+    class _Shapes(TransformerLM):
+        def reset_parameters(self, seed: int = 0) -> None:  # nothing to fill on meta
+            pass
+
+    with torch.device("meta"):
+        return _Shapes(config)

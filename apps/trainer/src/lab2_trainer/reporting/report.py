@@ -2,7 +2,7 @@
 summary), and the model FLOPs utilisation it reports.
 
 **Model FLOPs utilisation**: the FLOPs a training step must do (model FLOPs per token,
-:func:`lab2_trainer.shapes.training_flops_per_token`: ``6 N + 12 n_layers d_model
+:func:`lab2_trainer.models.shapes.training_flops_per_token`: ``6 N + 12 n_layers d_model
 context_length``), over what the GPU could do. Recomputed activations, the optimizer and
 the norms are not counted: MFU measures useful work.
 
@@ -39,10 +39,10 @@ from rich.table import Table
 from torch import nn
 
 from lab2_trainer.config import ModelConfig
-from lab2_trainer.model import recomputed_blocks
-from lab2_trainer.run_folder import atomic_write, atomic_write_text
-from lab2_trainer.shapes import recompute_flops
-from lab2_trainer.wall_clock import describe as describe_wall_clock
+from lab2_trainer.models.shapes import recompute_flops
+from lab2_trainer.models.transformer import recomputed_blocks
+from lab2_trainer.runtime.run_folder import atomic_write, atomic_write_text
+from lab2_trainer.runtime.wall_clock import describe as describe_wall_clock
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss_curve.png"
@@ -180,7 +180,7 @@ class RunReporter:
     def plot(self, unigram_entropy: float | None,
              compression: dict[str, float] | None = None) -> Path | None:
         """Training and validation loss against step, with the unigram entropy and the
-        compressors' figures (:func:`lab2_trainer.data.compression_baselines`) as lines."""
+        compressors' figures (:func:`lab2_trainer.data.corpus.compression_baselines`) as lines."""
         try:
             import matplotlib
 
@@ -317,7 +317,7 @@ def device_label(device: torch.device | str) -> str:
 
 def matmul_parameters(model: nn.Module) -> int:
     """Parameters taking part in matrix products (the ``N`` of
-    :mod:`lab2_trainer.shapes`) of a ``TransformerLM``."""
+    :mod:`lab2_trainer.models.shapes`) of a ``TransformerLM``."""
     total = sum(p.numel() for p in model.parameters())  # a tied weight comes once
     total -= model.pos_emb.weight.numel()
     if model.lm_head.weight is not model.tok_emb.weight:
@@ -339,7 +339,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Peak | None,
 
     Args:
         tokens_per_s: tokens processed per second over all devices.
-        flops_per_token: from :func:`lab2_trainer.shapes.training_flops_per_token` (a
+        flops_per_token: from :func:`lab2_trainer.models.shapes.training_flops_per_token` (a
             third of it for forwards).
         peak: the device's peak (None gives None).
         devices: how many devices shared the tokens.

@@ -1,11 +1,11 @@
 """The training loop, run by every rank: :class:`Trainer`, which calls
-:func:`lab2_trainer.step.train_step` once a step, and its learning-rate schedule
-(:class:`WarmupCosine`: linear warm-up, then cosine decay to a floor).
+:func:`lab2_trainer.training.step.train_step` once a step under the learning-rate schedule
+of :mod:`lab2_trainer.recipe.schedule`.
 
 Nothing in a step waits for the GPU: losses and gradient norms stay on the device and are
 fetched together (one copy, one all-reduce) at logging, evaluation and checkpoint steps,
 and the next batch is drawn and copied asynchronously while the current step runs
-(:class:`lab2_trainer.data.Prefetcher`). Per-step records are written at those fetches;
+(:class:`lab2_trainer.data.batches.Prefetcher`). Per-step records are written at those fetches;
 their ``step_seconds`` is the mean of the steps since the previous fetch.
 """
 from __future__ import annotations
@@ -15,40 +15,31 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.checkpoint import (
-    load_checkpoint,
-    set_rng_state,
-)
-from lab2_trainer.checkpoint_folders import load_trainer_state, trainer_state
-from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
-from lab2_trainer.checkpoint_writer import Checkpointer
+from lab2_trainer.checkpoint.folders import load_trainer_state, trainer_state
+from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
+from lab2_trainer.checkpoint.parts import load_folder
+from lab2_trainer.checkpoint.single_file import load_checkpoint, set_rng_state
+from lab2_trainer.checkpoint.writer import Checkpointer
 from lab2_trainer.config import (
     TrainSettings,
     UsageError,
     flag,
     step_range,
 )
-from lab2_trainer.data import (
-    BatchSampler,
-    Prefetcher,
-    check_batch_layout,
-    compression_baselines,
-    load_corpus,
-    unigram_entropy,
-)
-from lab2_trainer.launch import DistContext
-from lab2_trainer.model import TransformerLM, selective_kind
-from lab2_trainer.parallel import fused_adamw_available, parallelize, warm_compiler
-from lab2_trainer.profiling import StepProfiler
-from lab2_trainer.rank0_alone import rank0_alone
-from lab2_trainer.report import (
+from lab2_trainer.data.batches import BatchSampler, Prefetcher, check_batch_layout
+from lab2_trainer.data.corpus import compression_baselines, load_corpus, unigram_entropy
+from lab2_trainer.models.shapes import training_flops_per_token
+from lab2_trainer.models.transformer import TransformerLM, selective_kind
+from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
+from lab2_trainer.recipe.schedule import WarmupCosine
+from lab2_trainer.reporting.profiling import StepProfiler
+from lab2_trainer.reporting.report import (
     SAMPLE_NAME,
     RunReporter,
     bytes_as_text,
@@ -59,62 +50,11 @@ from lab2_trainer.report import (
     provenance,
     recompute_flops_per_token,
 )
-from lab2_trainer.run_folder import atomic_write_text
-from lab2_trainer.shapes import training_flops_per_token
-from lab2_trainer.sharded_checkpoint import load_folder
-from lab2_trainer.step import autocast_context, set_lr, train_step
-from lab2_trainer.wall_clock import WallClock, checkpoint_stall, launch_start
-
-
-# -------------------------------------------------------------- learning-rate schedule
-@dataclass
-class WarmupCosine:
-    """Linear warm-up to ``max_lr`` over ``warmup`` steps, then cosine decay to ``min_lr``
-    at step ``total``, constant after.
-
-    Step ``s`` (0-based, the step about to be taken) gets ``max_lr * (s + 1) / warmup``
-    during warm-up, so the first step already moves the weights.
-
-    Args:
-        max_lr: peak learning rate.
-        min_lr: learning rate at and after ``total``.
-        warmup: warm-up steps (0 for none).
-        total: step at which the decay ends (usually the run's step count).
-    """
-
-    max_lr: float
-    min_lr: float
-    warmup: int
-    total: int
-
-    def __post_init__(self) -> None:
-        if self.max_lr <= 0 or self.min_lr < 0 or self.min_lr > self.max_lr:
-            raise ValueError(
-                f"need 0 <= min_lr <= max_lr and max_lr > 0; got min_lr={self.min_lr}, "
-                f"max_lr={self.max_lr}"
-            )
-        if self.warmup < 0 or self.total < 1:
-            raise ValueError(f"need warmup >= 0 and total >= 1; got {self.warmup}, {self.total}")
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return self.max_lr * (step + 1) / self.warmup
-        if step >= self.total:
-            return self.min_lr
-        span = max(1, self.total - self.warmup)
-        progress = (step - self.warmup) / span
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr + (self.max_lr - self.min_lr) * cosine
-
-    def state_dict(self) -> dict:
-        """The schedule's parameters (it has no other state: the step is the input)."""
-        return asdict(self)
-
-    @classmethod
-    def from_state_dict(cls, state: dict) -> WarmupCosine:
-        """Rebuild a schedule saved by :meth:`state_dict`."""
-        return cls(**state)
-
+from lab2_trainer.runtime.launch import DistContext
+from lab2_trainer.runtime.rank0_alone import rank0_alone
+from lab2_trainer.runtime.run_folder import atomic_write_text
+from lab2_trainer.runtime.wall_clock import WallClock, checkpoint_stall, launch_start
+from lab2_trainer.training.step import autocast_context, set_lr, train_step
 
 # ----------------------------------------------------------------------- training loop
 # Offset between the training and validation samplers' seeds.

@@ -1,6 +1,6 @@
 """Supervision of the ranks: what ``lab2-train`` adds to torch.distributed's elastic
 launcher, in the ranks (:class:`RankGuard`) and in the process that launches them
-(:class:`LaunchWatch`). :mod:`lab2_trainer.launch` starts the ranks and uses both.
+(:class:`LaunchWatch`). :mod:`lab2_trainer.runtime.launch` starts the ranks and uses both.
 
 * **Ranks die with their launcher.** Every rank asks Linux for a parent-death signal
   (``prctl(PR_SET_PDEATHSIG, SIGTERM)`` through ctypes) and runs a small thread that,

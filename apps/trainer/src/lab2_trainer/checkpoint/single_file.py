@@ -1,7 +1,7 @@
 """Single-file checkpoints: written atomically, read back with every field and every
 tensor checked.
 
-A run saves sharded checkpoints (:mod:`lab2_trainer.checkpoint_folders`); this format is
+A run saves sharded checkpoints (:mod:`lab2_trainer.checkpoint.folders`); this format is
 what ``lab2-train export`` writes from one, what earlier versions saved, and what
 ``--resume`` also takes. The small state of a sharded checkpoint (its ``trainer.pt``) is
 this format without the model and the optimizer's tensors (``sharded: True``).
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.run_folder import atomic_write
+from lab2_trainer.runtime.run_folder import atomic_write
 
 FORMAT = "lab2-trainer-checkpoint"
 VERSION = 2
@@ -122,7 +122,7 @@ SHARDED_REQUIRED_KEYS = tuple(k for k in REQUIRED_KEYS if k not in ("model", "op
 
 def read_sealed(p: Path, *, shards: bool = False) -> dict[str, Any]:
     """Read and check a sealed file: a single-file checkpoint, or with ``shards`` the
-    ``trainer.pt`` of a sharded one (see :mod:`lab2_trainer.checkpoint_folders`)."""
+    ``trainer.pt`` of a sharded one (see :mod:`lab2_trainer.checkpoint.folders`)."""
     try:
         with warnings.catch_warnings():
             # torch warns about what it is about to refuse (a plain pickle's protocol):

@@ -1,7 +1,7 @@
 """Saving sharded checkpoints while training goes on.
 
 :meth:`Checkpointer.save` runs on every rank at a checkpoint step. Training stalls only
-for the copy of this rank's parts (:mod:`lab2_trainer.sharded_checkpoint`) into CPU
+for the copy of this rank's parts (:mod:`lab2_trainer.checkpoint.parts`) into CPU
 memory (pinned on CUDA, made a slice per step between steps, :meth:`Checkpointer.make_buffers`,
 and reused); the write then runs on a background thread, while the next steps train:
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.checkpoint_folders import (
+from lab2_trainer.checkpoint.folders import (
     CKPT_DIR,
     MANIFEST,
     TRAINER_STATE,
@@ -44,8 +44,7 @@ from lab2_trainer.checkpoint_folders import (
     step_folder,
     write_manifest,
 )
-from lab2_trainer.run_folder import WriteFailed, refused_write
-from lab2_trainer.sharded_checkpoint import (
+from lab2_trainer.checkpoint.parts import (
     MOMENTS,
     Part,
     model_parts,
@@ -54,6 +53,7 @@ from lab2_trainer.sharded_checkpoint import (
     state_parts,
     write_parts,
 )
+from lab2_trainer.runtime.run_folder import WriteFailed, refused_write
 
 #: Seconds per step that :meth:`Checkpointer.make_buffers` spends making pinned buffers.
 BUFFER_BUDGET_S = 0.05

@@ -18,57 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer import __version__
+from lab2_trainer.cli.flags import GROUPS, add_setting_flag, setting_fields
 from lab2_trainer.config import (
     EXIT_BAD_INPUT,
     PRESETS,
     ModelConfig,
     TrainSettings,
     UsageError,
-    field_docs,
     flag,
     from_toml,
     model_config,
 )
-from lab2_trainer.recipe import preset_run
+from lab2_trainer.recipe.defaults import preset_run
 
 EXIT_OK, EXIT_FAILED = 0, 1
 SETTINGS_NAME = "settings.toml"
-GROUPS = ("model", "data", "optimisation", "parallelism", "outputs")
-
-
-def setting_fields() -> list[tuple[type, Any]]:
-    """(class, field) of every setting with a flag: the model's, then the run's."""
-    return [(cls, f) for cls in (ModelConfig, TrainSettings) for f in fields(cls)
-            if f.metadata and f.metadata.get("flag", True)]
-
-
-def _default_text(cls: type, f) -> str:
-    meta = f.metadata
-    if cls is ModelConfig and f.name in PRESETS["tiny"]:
-        return f"the preset's; {PRESETS['tiny'][f.name]} in tiny"
-    if "default_text" in meta:
-        return meta["default_text"]
-    if isinstance(f.default, bool):
-        return "on" if f.default else "off"
-    return str(f.default)
-
-
-def add_setting_flag(group: Any, cls: type, f: Any) -> None:
-    """Add the flag of setting field ``f`` of ``cls`` to ``group`` (a parser or a group):
-    its type, choices and doc, and a None default, so that a given value can be told
-    apart from the field's default."""
-    meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
-    kind = str(f.type).split(" |")[0]
-    kw: dict[str, Any] = {"dest": f.name, "default": None}
-    if kind == "bool":
-        kw["action"] = argparse.BooleanOptionalAction
-    else:
-        kw["type"] = {"int": int, "float": float}.get(kind, str)
-    if meta.get("choices"):
-        kw["choices"] = list(meta["choices"])
-    kw.update({k: meta[k] for k in ("metavar", "nargs", "const") if k in meta})
-    text = f"{doc} (default {_default_text(cls, f)})"
-    group.add_argument(flag(f.name), help=text.replace("%", "%%"), **kw)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,7 +76,7 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     train: dict[str, Any] = {}
     model: dict[str, Any] = {}
     if args.config is not None:
-        from lab2_trainer.validate_inputs import read_bounded_text, shown
+        from lab2_trainer.runtime.paths import read_bounded_text, shown
 
         source = f"--config {shown(args.config)}"
         text = read_bounded_text(args.config, "--config")  # never a FIFO or /dev/zero
@@ -143,8 +107,8 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
 def _newest_run_checkpoint(root: Path = Path("runs")) -> Path:
     """The newest checkpoint of any run under ``root``: its newest complete step folder
     (or a single ``ckpt.pt`` of an earlier version)."""
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME
-    from lab2_trainer.checkpoint_folders import CKPT_DIR, MANIFEST, newest_step
+    from lab2_trainer.checkpoint.folders import CKPT_DIR, MANIFEST, newest_step
+    from lab2_trainer.checkpoint.single_file import CHECKPOINT_NAME
 
     found = [p for p in (newest_step(run / CKPT_DIR) for run in root.glob("*")
                          if run.is_dir()) if p is not None]
@@ -161,8 +125,8 @@ def load_resume_state(path: Path) -> dict[str, Any]:
     step folder's every file checked against its manifest and its small state read (its
     tensors are read a few at a time, to check that they are finite: the ranks then read
     their parts)."""
-    from lab2_trainer.checkpoint import load_checkpoint
-    from lab2_trainer.checkpoint_folders import first_non_finite, load_trainer_state, verify
+    from lab2_trainer.checkpoint.folders import first_non_finite, load_trainer_state, verify
+    from lab2_trainer.checkpoint.single_file import load_checkpoint
 
     if path.is_file():
         return load_checkpoint(path)
@@ -176,7 +140,7 @@ def load_resume_state(path: Path) -> dict[str, Any]:
 
 def run_folder_of(path: Path) -> Path:
     """The run folder a checkpoint belongs to: a file's folder, a step folder's run."""
-    from lab2_trainer.checkpoint_folders import CKPT_DIR
+    from lab2_trainer.checkpoint.folders import CKPT_DIR
 
     if path.is_dir() and path.parent.name == CKPT_DIR:
         return path.parent.parent
@@ -184,7 +148,7 @@ def run_folder_of(path: Path) -> Path:
 
 
 def _torchrun_world() -> int | None:
-    from lab2_trainer.launch import launched_by_torchrun
+    from lab2_trainer.runtime.launch import launched_by_torchrun
 
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
 
@@ -198,18 +162,13 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         (settings, corpus) with the corpus loaded once here, which also checks the data
         and warms its cache before the ranks start.
     """
-    from lab2_trainer.checkpoint_folders import has_checkpoint
-    from lab2_trainer.checkpoint_folders import resolve as resolve_checkpoint
-    from lab2_trainer.data import check_batch_layout, load_corpus
-    from lab2_trainer.validate_inputs import (
-        check_checkpoint_fits,
-        check_compile,
-        check_input_path,
-        check_memory,
-        check_out_path,
-        check_path_length,
-        check_sharded_checkpoint_fits,
-    )
+    from lab2_trainer.checkpoint.compat import check_checkpoint_fits, check_sharded_checkpoint_fits
+    from lab2_trainer.checkpoint.folders import has_checkpoint
+    from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
+    from lab2_trainer.cli.checks import check_compile, check_memory
+    from lab2_trainer.data.batches import check_batch_layout
+    from lab2_trainer.data.corpus import load_corpus
+    from lab2_trainer.runtime.paths import check_input_path, check_out_path, check_path_length
 
     explicit, model_overrides = dict(given[0]), dict(given[1])
     preset = explicit.pop("preset", None)
@@ -251,7 +210,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.out = out or str(run_folder_of(path))
         settings.resume = str(path)
     else:
-        # A preset's own run defaults (lab2_trainer.recipe.PRESET_RUNS), under what is given.
+        # A preset's own run defaults (lab2_trainer.recipe.defaults.PRESET_RUNS), under what is
+        # given.
         explicit = {**preset_run(preset or "tiny", model_overrides), **explicit}
         try:
             model = model_config(preset or "tiny", **model_overrides)
@@ -264,7 +224,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         stamp = time.strftime("%Y%m%d-%H%M%S")
         settings.out = out or os.path.join("runs", f"{preset or 'tiny'}-{stamp}")
         if has_checkpoint(settings.out):
-            from lab2_trainer.run_folder import in_use_message, live_claim
+            from lab2_trainer.runtime.run_folder import in_use_message, live_claim
 
             owner = live_claim(settings.out)
             if owner is not None:
@@ -294,7 +254,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     if ckpt is not None and ckpt["data"] != corpus.identity():
         raise UsageError(f"checkpoint was trained on {ckpt['data']}, not on {corpus.identity()}")
     if ckpt is not None and ckpt.get("sharded"):
-        from lab2_trainer.checkpoint_folders import saved_tensors
+        from lab2_trainer.checkpoint.parts import saved_tensors
 
         check_sharded_checkpoint_fits(ckpt, saved_tensors(path), settings, path)
     elif ckpt is not None:
@@ -355,7 +315,7 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
 
 
 def _device_type(requested: str) -> str:
-    from lab2_trainer.launch import resolve_device_type
+    from lab2_trainer.runtime.launch import resolve_device_type
 
     return resolve_device_type(requested)
 
@@ -367,12 +327,12 @@ def _error(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lab2-train``; returns the exit code."""
-    from lab2_trainer.wall_clock import mark_launch
+    from lab2_trainer.runtime.wall_clock import mark_launch
 
     mark_launch()  # the run's start-up is counted from here
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        from lab2_trainer.plan_cli import main as plan_main
+        from lab2_trainer.cli.plan import main as plan_main
 
         return plan_main(argv[1:])
     if argv[:1] == ["export"]:
@@ -382,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         return _error(str(exc))
     # torch is imported only now, so that `--help` and the bench dispatch stay quick.
-    from lab2_trainer import launch, supervise
-    from lab2_trainer.train import train
+    from lab2_trainer.runtime import launch, supervise
+    from lab2_trainer.training.loop import train
 
     mark_launch("imports")
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
@@ -437,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 def checkpoint_note(settings) -> str:
     """What a stopped run says of its checkpoints: the last one is intact, or none was
     written (and the one resumed from, if any, is untouched)."""
-    from lab2_trainer.checkpoint import CHECKPOINT_NAME
-    from lab2_trainer.checkpoint_folders import CKPT_DIR, newest_step
+    from lab2_trainer.checkpoint.folders import CKPT_DIR, newest_step
+    from lab2_trainer.checkpoint.single_file import CHECKPOINT_NAME
 
     out = Path(settings.out)
     if (out / CHECKPOINT_NAME).is_file() or (
@@ -460,7 +420,7 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("out", metavar="OUT", help="the file to write")
     try:
         args = p.parse_args(argv)
-        from lab2_trainer.checkpoint_folders import write_export
+        from lab2_trainer.checkpoint.export import write_export
 
         return write_export(args.checkpoint, args.out)
     except UsageError as exc:
@@ -471,8 +431,8 @@ def _claim_out(settings):
     """Claim ``--out`` for this run (refused while another live run holds it), then remove
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
-    from lab2_trainer.checkpoint_folders import has_checkpoint
-    from lab2_trainer.run_folder import (
+    from lab2_trainer.checkpoint.folders import has_checkpoint
+    from lab2_trainer.runtime.run_folder import (
         LOCK_NAME,
         claim_folder,
         clean_stale_temporaries,
@@ -510,7 +470,7 @@ def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
     from lab2_trainer.config import to_toml
-    from lab2_trainer.run_folder import atomic_write_text
+    from lab2_trainer.runtime.run_folder import atomic_write_text
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
 
@@ -535,9 +495,9 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     was asked for (they are collectives, even alone)."""
     import torch
 
-    from lab2_trainer import launch
-    from lab2_trainer.train import train
-    from lab2_trainer.wall_clock import mark_launch
+    from lab2_trainer.runtime import launch
+    from lab2_trainer.runtime.wall_clock import mark_launch
+    from lab2_trainer.training.loop import train
 
     need_group = settings.ddp != "none" or settings.sharding != "none"
     device = launch.rank_device(device_type, 0)
@@ -555,7 +515,7 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     except UsageError as exc:
         return _error(str(exc))
     except Exception as exc:  # a refused write (a full disk) is one line, not a traceback
-        from lab2_trainer.run_folder import WriteFailed, write_failure
+        from lab2_trainer.runtime.run_folder import WriteFailed, write_failure
 
         line = str(exc) if isinstance(exc, WriteFailed) else write_failure(exc)
         if line is None:

@@ -1,0 +1,252 @@
+"""Whether a checkpoint fits the run about to resume from it, checked before any rank starts:
+its model tensors' names and shapes (against the model built on ``meta``), the optimizer's
+state (zero1's checks, on ``meta`` tensors), the random state, the gradient scaler and the
+sampler's position. A mismatch is one line naming the checkpoint and the first thing that does
+not fit (:class:`lab2_trainer.config.UsageError`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lab2_trainer.config import INT_LIMIT, UsageError
+from lab2_trainer.models.transformer import shape_model
+
+
+def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> None:
+    """A checkpoint's tensors, random state and position fit the run about to start.
+
+    Raises:
+        UsageError: one line naming the checkpoint and the first thing that does not fit.
+    """
+    import torch
+
+    model = shape_model(settings.model)
+    expected = model.state_dict()
+    saved = ckpt["model"]
+    if not isinstance(saved, dict):
+        raise UsageError(f"checkpoint {path}: its model is not a state dict")
+    for name in expected:
+        if name not in saved:
+            raise UsageError(f"checkpoint {path}: the model lacks {name}")
+        t = saved[name]
+        if not isinstance(t, torch.Tensor) or t.shape != expected[name].shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UsageError(f"checkpoint {path}: model tensor {name} is {got}, the model "
+                             f"needs {list(expected[name].shape)}")
+    _refuse_extra(saved, expected, path)
+    from zero1.checkpoint import check_state_dict, dry_run_load
+
+    opt = _adamw_like_the_run(model, settings)
+    try:
+        check_state_dict(ckpt["optimizer"], opt.param_groups, opt.defaults,
+                         optimizer_name="AdamW", optimizer_cls=torch.optim.AdamW,
+                         who="optimizer state")
+        dry_run_load(ckpt["optimizer"], opt.param_groups, opt.defaults, torch.optim.AdamW,
+                     who="optimizer state")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path}: {exc}") from None
+    _check_adamw_content(ckpt["optimizer"], opt.param_groups, settings, path)
+    _check_run_state(ckpt, settings, path, len(list(model.parameters())))
+
+
+def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any],
+                                  settings: Any, path: Any) -> None:
+    """A sharded checkpoint (its ``trainer.pt`` and DCP's metadata, ``tensors``) fits the
+    run about to start: every parameter's flat tensor of its size, AdamW's state whole or
+    absent for each, nothing else; then what :func:`check_checkpoint_fits` checks of the
+    rest. No tensor is read.
+
+    Raises:
+        UsageError: one line naming the checkpoint and the first thing that does not fit.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lab2_trainer.checkpoint.parts import MOMENTS, model_key, parameter_names, state_key
+
+    model = shape_model(settings.model)
+    names = parameter_names(model)
+    sizes = {}
+    for p in model.parameters():
+        name = names[id(p)]
+        sizes[model_key(name)] = p.numel()
+        if state_key(name, "exp_avg") in tensors:
+            sizes.update({state_key(name, m): p.numel() for m in MOMENTS})
+            sizes[state_key(name, "step")] = 1
+    for key, numel in sizes.items():
+        md = tensors.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise UsageError(f"checkpoint {path}: it lacks tensor {key}")
+        if tuple(md.size) != (numel,) or not md.properties.dtype.is_floating_point:
+            raise UsageError(f"checkpoint {path}: tensor {key} is {md.properties.dtype} of "
+                             f"{list(md.size)} elements; the model needs a floating tensor of "
+                             f"{numel}")
+    _refuse_extra(tensors, sizes, path)
+    from zero1.checkpoint import check_state_dict
+
+    opt = _adamw_like_the_run(model, settings)
+    groups = {"state": {}, "param_groups": small["optimizer_groups"]}
+    try:
+        check_state_dict(groups, opt.param_groups, opt.defaults, optimizer_name="AdamW",
+                         optimizer_cls=torch.optim.AdamW, who="optimizer state")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path}: {exc}") from None
+    _check_adamw_content(groups, opt.param_groups, settings, path)
+    _check_run_state(small, settings, path, len(list(model.parameters())))
+
+
+def _refuse_extra(saved: Any, expected: Any, path: Any) -> None:
+    """A checkpoint tensor the model does not have is named, the first in sorted order."""
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
+
+
+def _adamw_like_the_run(model: Any, settings: Any) -> Any:
+    """The run's AdamW over ``model`` (its groups and hyperparameters), for the checks."""
+    import torch
+
+    from lab2_trainer.parallel.parallelize import param_groups
+
+    return torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
+                             betas=(settings.beta1, settings.beta2), eps=1e-8)
+
+
+def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
+    """The launch order, random state, scaler, data position and step of a checkpoint."""
+    _check_gradient_order(ckpt.get("gradient_order"), n_params, path)
+    _check_rng(ckpt["rng"], path)
+    _check_scaler(ckpt.get("scaler"), path)
+    sampler = ckpt["sampler"]
+    if not isinstance(sampler, dict) or not all(
+            _is_int(sampler.get(k)) and 0 <= sampler[k] < INT_LIMIT for k in ("seed", "draws")):
+        raise UsageError(f"checkpoint {path}: its sampler position is not two integers >= 0")
+    if sampler["seed"] != settings.seed:
+        raise UsageError(f"checkpoint {path} draws its data with seed {sampler['seed']}, not "
+                         f"--seed {settings.seed}")
+    step = ckpt["step"]
+    if not _is_int(step) or not 0 <= step < INT_LIMIT:
+        raise UsageError(f"checkpoint {path}: its step {step!r} is not an integer >= 0")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite Python number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+#: AdamW's per-parameter state, as ``torch.optim.AdamW`` keeps it (amsgrad off).
+ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _check_adamw_content(state_dict: dict[str, Any], groups: list[dict[str, Any]],
+                         settings: Any, path: Any) -> None:
+    """What zero1's structural checks leave to the optimizer's first step: each group's
+    hyperparameters are AdamW's (``betas`` two numbers in [0, 1) equal to the run's, a
+    finite ``lr``, ``eps`` and ``weight_decay``, no amsgrad nor maximize), and each
+    parameter's state is exactly AdamW's: ``exp_avg`` and ``exp_avg_sq`` floating tensors
+    of the parameter's shape and a finite ``step`` >= 0, or nothing (not stepped yet).
+
+    Raises:
+        UsageError: one line naming the group or parameter and what is wrong.
+    """
+    import torch
+
+    betas = (settings.beta1, settings.beta2)
+    decays = (settings.weight_decay, 0.0)  # parallel.param_groups: matrices, then vectors
+    for i, saved in enumerate(state_dict["param_groups"]):
+        where = f"checkpoint {path}: optimizer param group {i}"
+        got = saved.get("betas")
+        if (not isinstance(got, (list, tuple)) or len(got) != 2
+                or not all(_is_real(b) and 0 <= b < 1 for b in got)):
+            raise UsageError(f"{where}: betas must be two numbers in [0, 1), got {got!r}")
+        if tuple(got) != betas:
+            raise UsageError(f"{where}: betas {tuple(got)} differ from the run's (--beta1, "
+                             f"--beta2) = {betas}")
+        for key, low in (("lr", 0.0), ("eps", 0.0), ("weight_decay", 0.0)):
+            value = saved.get(key)
+            if not _is_real(value) or value < low or (key == "eps" and value == 0):
+                raise UsageError(f"{where}: {key} must be a finite number "
+                                 f"{'> 0' if key == 'eps' else '>= 0'}, got {value!r}")
+        if i < len(decays) and saved["weight_decay"] != decays[i]:
+            raise UsageError(f"{where}: weight_decay {saved['weight_decay']!r} differs from "
+                             f"the run's {decays[i]!r}")
+        for key in ("amsgrad", "maximize"):
+            if saved.get(key, False) is not False:
+                raise UsageError(f"{where}: {key}={saved[key]!r}; the trainer's AdamW runs "
+                                 f"with {key}=False")
+    state = state_dict["state"]
+    for i, (ours, saved) in enumerate(zip(groups, state_dict["param_groups"])):
+        for j, (param, saved_id) in enumerate(zip(ours["params"], saved["params"])):
+            entry = state.get(saved_id)
+            if not entry:
+                continue
+            where = f"checkpoint {path}: optimizer state of parameter {j} in param group {i}"
+            if set(entry) != set(ADAMW_STATE):
+                raise UsageError(f"{where} holds {', '.join(sorted(map(str, entry)))}; AdamW's "
+                                 f"is {', '.join(sorted(ADAMW_STATE))}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry[key]
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point() \
+                        or t.shape != param.shape:
+                    what = (f"a {t.dtype} tensor of shape {list(t.shape)}"
+                            if isinstance(t, torch.Tensor) else f"a {type(t).__name__}")
+                    raise UsageError(f"{where}: {key} is {what}; it must be a floating tensor "
+                                     f"of the parameter's shape {list(param.shape)}")
+            step = entry["step"]
+            if isinstance(step, torch.Tensor):
+                step = step.item() if step.numel() == 1 and not step.is_complex() else None
+            if not _is_real(step) or step < 0:
+                raise UsageError(f"{where}: step must be one finite number >= 0, got "
+                                 f"{entry['step']!r}")
+
+
+def _check_gradient_order(order: Any, count: int, path: Any) -> None:
+    """minddp's learned launch order: None, or a permutation of the trainable parameters'
+    indices (``range(count)``)."""
+    if order is None:
+        return
+    if (not isinstance(order, (list, tuple)) or not all(_is_int(i) for i in order)
+            or sorted(order) != list(range(count))):
+        shown = repr(order) if len(repr(order)) <= 80 else repr(order)[:77] + "..."
+        raise UsageError(f"checkpoint {path}: its gradient_order must be a permutation of "
+                         f"range({count}) (the model's trainable parameters), got {shown}")
+
+
+def _check_scaler(scaler: Any, path: Any) -> None:
+    """fp16's GradScaler state: None or empty, or a dict of finite numbers with a scale > 0."""
+    if not scaler:
+        return
+    if not isinstance(scaler, dict) or not all(_is_real(v) for v in scaler.values()) \
+            or not scaler.get("scale", 1.0) > 0:
+        raise UsageError(f"checkpoint {path}: its gradient scaler state is not a dict of "
+                         "finite numbers with a scale > 0")
+
+
+def _check_rng(rng: Any, path: Any) -> None:
+    """Try the saved CPU random state for real (and put ours back); the GPU one must at
+    least be a byte tensor."""
+    import torch
+
+    if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
+        raise UsageError(f"checkpoint {path}: its random state is not a dict with a 'cpu' "
+                         "tensor")
+    ours = torch.get_rng_state()
+    try:
+        torch.set_rng_state(rng["cpu"])
+    except (RuntimeError, TypeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"checkpoint {path}: its CPU random state is unusable: {reason}") \
+            from None
+    finally:
+        torch.set_rng_state(ours)
+    cuda = rng.get("cuda")
+    if cuda is not None and not (isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8
+                                 and cuda.dim() == 1):
+        raise UsageError(f"checkpoint {path}: its GPU random state is not a byte tensor")

@@ -1,0 +1,55 @@
+"""The command-line flags of ``lab2-train`` and ``lab2-train plan``, built from the settings'
+fields (:mod:`lab2_trainer.config`): one flag per field, its default and choices from the
+field, its help text from the string literal after it, grouped as :data:`GROUPS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+from lab2_trainer.config import (
+    PRESETS,
+    ModelConfig,
+    TrainSettings,
+    field_docs,
+    flag,
+)
+
+GROUPS = ("model", "data", "optimisation", "parallelism", "outputs")
+
+
+def setting_fields() -> list[tuple[type, Any]]:
+    """(class, field) of every setting with a flag: the model's, then the run's."""
+    return [(cls, f) for cls in (ModelConfig, TrainSettings) for f in fields(cls)
+            if f.metadata and f.metadata.get("flag", True)]
+
+
+def _default_text(cls: type, f) -> str:
+    meta = f.metadata
+    if cls is ModelConfig and f.name in PRESETS["tiny"]:
+        return f"the preset's; {PRESETS['tiny'][f.name]} in tiny"
+    if "default_text" in meta:
+        return meta["default_text"]
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return str(f.default)
+
+
+def add_setting_flag(group: Any, cls: type, f: Any) -> None:
+    """Add the flag of setting field ``f`` of ``cls`` to ``group`` (a parser or a group):
+    its type, choices and doc, and a None default, so that a given value can be told
+    apart from the field's default."""
+    meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
+    kind = str(f.type).split(" |")[0]
+    kw: dict[str, Any] = {"dest": f.name, "default": None}
+    if kind == "bool":
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = {"int": int, "float": float}.get(kind, str)
+    if meta.get("choices"):
+        kw["choices"] = list(meta["choices"])
+    kw.update({k: meta[k] for k in ("metavar", "nargs", "const") if k in meta})
+    text = f"{doc} (default {_default_text(cls, f)})"
+    group.add_argument(flag(f.name), help=text.replace("%", "%%"), **kw)
