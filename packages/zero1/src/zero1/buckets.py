@@ -37,14 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from minddp._internal import (
-    TensorInfo,
-    adopt_gradients,
-    agree_on_order,
-    assign_buckets,
-    copy_all,
-    zero_all,
-)
+from minddp.buckets import TensorInfo, assign_buckets
+from minddp.flat import adopt_gradients, copy_all, zero_all
+from minddp.overlap import agree_on_order
 
 from .flat import FlatLayout, ShardCollectives, bind, member_views
 from .rooted import RootedCollectives
