@@ -9,15 +9,14 @@ different inputs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from minddp import ModelMismatchError
 
-if TYPE_CHECKING:
-    from .sharded_optimizer import GroupInfo
+from .group import GroupInfo
 
 # Group keys that describe the parameters themselves, not hyperparameters.
 PARAM_KEYS = ("params", "param_names")

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .buckets import Piece
 from .checkpoint import gather_full_state, load_full_state, pack_param_groups
+from .flat import Piece
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
