@@ -1,127 +1,28 @@
-"""Internal: the process and file helpers that lab2bench and the trainer's runtime
-(``lab2-train``) share, one copy of each. Standard library only, so that importing it
-imports neither torch nor anything of lab2bench's measurement; not part of lab2bench's
-public API (``lab2bench.atomic_write`` and the launcher in :mod:`lab2bench.ranks` are).
+"""Files written so that a reader, or a crash, sees the old file or the new one, never half
+of it (:func:`atomic_write` and its bytes and text forms), and only where nothing is or a
+regular file is: a folder, a device, a FIFO or a socket is never replaced
+(:class:`NotARegularFile`). The temporary file lies beside the target, named
+``.<name>.<pid>.tmp`` within the file system's name limit (:func:`temp_name`,
+:func:`temp_file_beside`), so that what an interrupted writer left names its process.
 
-* :func:`atomic_write` and its text and bytes forms: a reader, or a crash, sees the old
-  file or the new one, never half of it; only an absent target or a regular file is
-  replaced (:class:`NotARegularFile`), and the temporary name fits wherever the target's
-  does (:func:`temp_name`);
-* :func:`threads_per_rank`: intra-op threads for CPU ranks sharing the cores;
-* :func:`set_parent_death_signal`: a child that dies with its parent (Linux);
-* owner records: a temporary folder names the launcher that made it (:data:`OWNER_NAME`:
-  pid, host, the pid's start time), so that a later launcher can remove the folders of
-  launchers that died (:func:`sweep_stale_folders`).
+Standard library only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import hashlib
-import json
 import os
 import secrets
-import shutil
-import signal
-import socket
 import stat
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-PR_SET_PDEATHSIG = 1
-#: The file in a launcher's temporary folder that names the launcher (pid, host, start time).
-OWNER_NAME = "owner.json"
+__all__ = ["NAME_MAX", "NotARegularFile", "atomic_write", "atomic_write_bytes",
+           "atomic_write_text", "check_target", "temp_file_beside", "temp_name"]
 
-
-# --------------------------------------------------------------------------- processes
-def threads_per_rank(world_size: int) -> int:
-    """Intra-op threads each CPU rank should use so that ranks do not oversubscribe the
-    cores (on 2 cores with 2 ranks: 1 thread each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, world_size))
-
-
-def process_start(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot; Linux), to tell a live
-    process from an unrelated one that reuses its pid; None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent dies; False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-# ----------------------------------------------------------------------- owner records
-def write_owner(folder: str, **extra: Any) -> None:
-    """Name this process as ``folder``'s owner in :data:`OWNER_NAME` (with ``extra``
-    fields, such as a ``kind``)."""
-    pid = os.getpid()
-    record = {**extra, "pid": pid, "host": socket.gethostname(),
-              "process_start": process_start(pid)}
-    atomic_write_text(os.path.join(folder, OWNER_NAME), json.dumps(record) + "\n")
-
-
-def owner_gone(info: Any, kind: str | None = None) -> bool:
-    """Whether the launcher an owner record names is gone (on this host); False for
-    anything else (another host's, another ``kind``'s, or not such a record)."""
-    if not isinstance(info, dict) or (kind is not None and info.get("kind") != kind):
-        return False
-    pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive under another user, or cannot tell
-        return False
-    started, now = info.get("process_start"), process_start(pid)
-    return started is not None and now is not None and started != now
-
-
-def sweep_stale_folders(prefixes: Sequence[str], root: str | None = None,
-                        kind: str | None = None) -> list[str]:
-    """Remove the folders in ``root`` (default: the temporary folder) whose names start
-    with one of ``prefixes`` and whose :data:`OWNER_NAME` names a launcher that is gone
-    (:func:`owner_gone`); a folder without a readable owner record is left. Returns the
-    paths removed."""
-    removed: list[str] = []
-    try:
-        entries = [e for e in os.scandir(root or tempfile.gettempdir())
-                   if e.name.startswith(tuple(prefixes))]
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            info = json.loads(Path(entry.path, OWNER_NAME).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if owner_gone(info, kind):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.exists(entry.path):
-                removed.append(entry.path)
-    return removed
-
-
-# ----------------------------------------------------------------------- atomic writes
 def _fsync_dir(path: Path) -> None:
     """Flush a folder's entries (a rename into it) to disk, where the platform can."""
     with contextlib.suppress(OSError):
@@ -141,7 +42,7 @@ class NotARegularFile(OSError):
 NAME_MAX = 255
 
 
-def _check_target(target: Path) -> None:
+def check_target(target: str | os.PathLike[str]) -> None:
     """``target`` is absent or a regular file (a link is followed to see what it names).
 
     Raises:
@@ -181,7 +82,7 @@ def temp_file_beside(target: str | os.PathLike[str]) -> str:
         NotARegularFile: ``target`` is a folder, a device, a FIFO or a socket.
     """
     target = Path(target)
-    _check_target(target)
+    check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
     for attempt in range(100):
@@ -211,7 +112,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], Any])
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        _check_target(target)  # made a FIFO or a device meanwhile: still not replaced
+        check_target(target)  # made a FIFO or a device meanwhile: still not replaced
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
