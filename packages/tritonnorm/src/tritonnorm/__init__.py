@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 # Every name is imported on first use (PEP 562): `import tritonnorm` alone loads neither
 # torch nor triton, so that a command line importing it answers `--help` at once.
