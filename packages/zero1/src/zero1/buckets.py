@@ -434,6 +434,11 @@ class ShardedBuckets:
             raise RuntimeError("ShardedOptimizer: the gradients were asked for during backward")
         if self._finished:
             return
+        if not self.params:
+            # Nothing to train (every parameter frozen, on every rank: they were checked to
+            # agree): no reductions, no collectives, as torch.optim steps without gradients.
+            self._finished = True
+            return
         if self._rounds == 0:
             self._next = 0
             self._end_round()

@@ -413,6 +413,8 @@ class ShardedOptimizer(Optimizer):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         grads = self.shard_gradients()
+        if not grads:  # no trainable parameter on any rank (they agree): as torch's own
+            return torch.zeros(())
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=wide) for g in grads])
         if norm_type == float("inf"):
