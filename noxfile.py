@@ -24,7 +24,7 @@ nox.options.sessions = ["lint", "build", "triton-interpret", "tests", "tests-hf"
 # sources again, which costs 10-20 s per process on a small CI machine.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-MEMBERS = ("tritonnorm", "minddp", "zero1", "lab2bench", "lab2-trainer")
+MEMBERS = ("tritonnorm", "minddp", "zero1", "lab2bench", "lab2sys", "lab2-trainer")
 WORLD_SIZES = [1, 2, 3, 4]
 
 

@@ -20,9 +20,9 @@ def test_version():
 
 
 def test_the_runtime_imports_no_benchmark_package():
-    """Training, launching and planning take nothing from ``lab2bench``'s benchmarking (the
-    benchmark scripts under ``apps/trainer/benchmarks`` do): only the process helpers the
-    two share, ``lab2bench._process``, which imports the standard library alone."""
+    """Training, launching and planning take nothing from ``lab2bench`` (the benchmark
+    scripts under ``apps/trainer/benchmarks`` do): the file and process helpers the two share
+    are ``lab2sys``'s, which imports the standard library alone."""
     import subprocess
     import sys
     from pathlib import Path
@@ -37,10 +37,10 @@ def test_the_runtime_imports_no_benchmark_package():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "['lab2bench', 'lab2bench._process']", run.stdout
+    assert run.stdout.strip() == "[]", run.stdout
     shared = subprocess.run(
         [sys.executable, "-c", "import sys; before = set(sys.modules); "
-         "import lab2bench._process; "
+         "import lab2sys.files, lab2sys.processes; "
          "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in "
          "('torch', 'numpy', 'rich', 'matplotlib', 'psutil')))"],
         capture_output=True, text=True, timeout=300)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from lab2_testing.cli import entries, run_mains
-from lab2bench._process import NAME_MAX, atomic_write_text, temp_name
+from lab2sys.files import NAME_MAX, atomic_write_text, temp_name
 
 pytestmark = pytest.mark.timeout(300)
 

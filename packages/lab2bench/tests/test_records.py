@@ -111,7 +111,14 @@ def test_progress_passes_items_through():
     assert list(lab2bench.progress(iter("ab"))) == ["a", "b"]
 
 
-def test_atomic_write_replaces(tmp_path):
+def test_atomic_writes_are_lab2sys_under_lab2bench_names(tmp_path):
+    # Their behaviour is tested in packages/lab2sys/tests; here, that the names still work.
+    import lab2sys.files
+    from lab2bench import records
+
+    for name in ("atomic_write", "atomic_write_bytes", "atomic_write_text"):
+        assert getattr(lab2bench, name) is getattr(lab2sys.files, name)
+    assert records.temp_file_beside is lab2sys.files.temp_file_beside
     p = lab2bench.atomic_write_text(tmp_path / "a.txt", "one")
     lab2bench.atomic_write_text(p, "two")
     assert p.read_text() == "two"

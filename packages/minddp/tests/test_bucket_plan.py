@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minddp import BUCKET_RULES, validate_bucket_size_mb
-from minddp._internal import TensorInfo, adopt_gradients, assign_buckets
+from minddp.buckets import TensorInfo, assign_buckets
+from minddp.flat import adopt_gradients
 
 MIB = 2**20
 

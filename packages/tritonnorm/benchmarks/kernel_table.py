@@ -39,7 +39,7 @@ from lab2bench.env import env_info
 from lab2bench.records import Recorder, atomic_write_text
 from lab2bench.report import markdown_table, plot_sweep, progress
 from lab2bench.timing import graph_time, measure
-from tritonnorm import fused_add_rms_norm, ops
+from tritonnorm import _host, fused_add_rms_norm
 
 ROWS, HIDDEN = 50_000, (1024, 2048, 4096, 8192)
 #: The long rows, where the alternatives fall behind.
@@ -169,10 +169,10 @@ def kernels_row(x, r, w, dy, ds, timings: list[str], args, fwd_bytes: int, bwd_b
                 bw: float) -> dict:
     """The fused add's forward and backward kernels, each timed alone (the last timing)."""
     w = w.detach()
-    _, s, rstd = ops.fused_add_rms_norm_fwd(x, r, w, 1e-5)
+    _, s, rstd = _host.fused_add_rms_norm_fwd(x, r, w, 1e-5)
     row = timed_rows("tritonnorm kernels", timings[-1:], args, x.device, None,
-                     fwd=(lambda: ops.fused_add_rms_norm_fwd(x, r, w, 1e-5), False),
-                     bwd=(lambda: ops.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype),
+                     fwd=(lambda: _host.fused_add_rms_norm_fwd(x, r, w, 1e-5), False),
+                     bwd=(lambda: _host.fused_add_rms_norm_bwd(dy, ds, s, w, rstd, r.dtype),
                           False))[0]
     if "note" not in row:
         for key, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):

@@ -181,3 +181,42 @@ def test_in_model_variants_set_options_and_machinery_switches():
             assert all(getattr(SWITCHES, k) == v for k, v in options.items()
                        if k != "eager_dispatch"), name
     assert OPTIONS.eager_dispatch == "auto" and SWITCHES.launch_plans and SWITCHES.fold_dw_sum
+
+
+def test_in_model_measures_a_model_of_its_own():
+    """in_model.py's LM is defined in the script: no import of the trainer, the same weights
+    and logits with either norm, tritonnorm's fused add + norm in every norm's place."""
+    import ast
+
+    import torch
+    from torch import nn
+
+    from tritonnorm.nn import FusedAddRMSNorm
+
+    tree = ast.parse((BENCHMARKS / "in_model.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(name.split(".")[0] == "lab2_trainer" for name in imported), imported
+    in_model = script("in_model")
+    plain, (x, y) = in_model.lm_model("tiny", "torch", 2, device="cpu")
+    fused, (x2, _) = in_model.lm_model("tiny", "tritonnorm", 2, device="cpu")
+    assert x.shape == y.shape == (2, in_model.LM_CONTEXT) and torch.equal(x, x2)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets: the inputs shifted by one
+    n_norms = 2 * in_model.PRESETS["tiny"]["n_layers"] + 1
+    assert sum(type(m) is nn.RMSNorm for m in plain.modules()) == n_norms
+    assert sum(isinstance(m, FusedAddRMSNorm) for m in fused.modules()) == n_norms
+    assert plain.state_dict().keys() == fused.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                 fused.state_dict().values()))
+    assert plain.head.weight is plain.embed.weight
+    logits = plain(x[:, :16])
+    assert logits.shape == (2, 16, in_model.LM_VOCAB)
+    torch.testing.assert_close(fused(x[:, :16]), logits, rtol=1e-5, atol=1e-5)
+    fused(x[:, :16]).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fused.parameters())
+
+
+def test_in_model_refuses_an_unknown_preset_before_building_anything():
+    with pytest.raises(SystemExit) as err:
+        script("in_model").main(["--presets", "small,huge"])
+    assert err.value.code == 2

@@ -21,6 +21,7 @@ from tritonnorm import (
     RMSNorm,
     RMSNormFunction,
     RMSNormTorchFunction,
+    _host,
     _library,
     _tuning,
     fused_add_rms_norm,
@@ -318,7 +319,7 @@ def test_every_kernel_path_every_variant(kernel_device, mode, offset, dtype, pat
                        x, w, dy, mode, off)
         elif path == "reread":
             with _tuning.override(chunk=16):
-                y, _ = ops.rms_norm_fwd(x, w, EPS, offset=off, llama=llama)
+                y, _ = _host.rms_norm_fwd(x, w, EPS, offset=off, llama=llama)
             y_ref = _reference(x, w, dy, mode, off)[0]
             assert rel_err(y.cpu(), y_ref) < TOL[y.dtype]
         else:
@@ -335,10 +336,10 @@ def test_per_head_4d_input_takes_the_kernels_without_a_copy(kernel_device):
     # Qwen 3's q/k norms: (batch, seq, heads, head_dim) views of a projection's output.
     x, w, dy = _inputs((2, 3, 4, 16), torch.bfloat16, torch.bfloat16, seed=10,
                        device=kernel_device)
-    assert ops._as_rows(x).data_ptr() == x.data_ptr()
-    assert ops._as_rows(x).shape == (24, 16)
+    assert _host._as_rows(x).data_ptr() == x.data_ptr()
+    assert _host._as_rows(x).shape == (24, 16)
     wide = torch.randn(2, 3, 4, 32, dtype=torch.bfloat16, device=kernel_device)[..., :16]
-    assert ops._as_rows(wide[0, 0]).data_ptr() == wide.data_ptr()  # rows of stride 32
+    assert _host._as_rows(wide[0, 0]).data_ptr() == wide.data_ptr()  # rows of stride 32
     _check(lambda a, b: RMSNormFunction.apply(a, b, EPS, None, "llama", 0.0),
            x, w, dy, "llama", 0.0)
 
@@ -351,7 +352,7 @@ def test_rms_norm_dispatches_to_torch_when_forced(kernel_device, monkeypatch):
         raise AssertionError("the kernels ran")
 
     with ops.OPTIONS.override(interpret_cpu=True, eager_dispatch="torch"):
-        monkeypatch.setattr(ops, "rms_norm_fwd", refuse)
+        monkeypatch.setattr(_host, "rms_norm_fwd", refuse)
         for mode, offset in VARIANTS:
             _check(lambda a, b, m=mode, o=offset: rms_norm(a, b, EPS, casting_mode=m, offset=o),
                    x, w, dy, mode, offset, _default_dtype(x, w, mode))
@@ -361,10 +362,10 @@ def test_rms_norm_dispatches_to_torch_when_forced(kernel_device, monkeypatch):
 def test_functions_refuse_bad_input_before_any_launch(kernel_device, monkeypatch):
     x, w, _ = _inputs((4, 32), torch.float32, torch.float32, seed=12, device=kernel_device)
     launched = []
-    real_fwd, real_add = ops.rms_norm_fwd, ops.fused_add_rms_norm_fwd
-    monkeypatch.setattr(ops, "rms_norm_fwd",
+    real_fwd, real_add = _host.rms_norm_fwd, _host.fused_add_rms_norm_fwd
+    monkeypatch.setattr(_host, "rms_norm_fwd",
                         lambda *a, **k: launched.append(1) or real_fwd(*a, **k))
-    monkeypatch.setattr(ops, "fused_add_rms_norm_fwd",
+    monkeypatch.setattr(_host, "fused_add_rms_norm_fwd",
                         lambda *a, **k: launched.append(1) or real_add(*a, **k))
     with pytest.raises(TypeError, match="residual"):
         FusedAddRMSNormFunction.apply(x, x.to(torch.int32), w, EPS)

@@ -21,9 +21,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _kernels():
-    from tritonnorm import ops
+    """The host functions (what picks, allocates and launches the kernels)."""
+    from tritonnorm import _host
 
-    return ops
+    return _host
 
 
 def _launcher():

@@ -4,6 +4,8 @@ bad input refused before any work, and the pieces partitioning every parameter."
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -143,3 +145,56 @@ def test_a_compiled_model_gathers_outside_its_graphs():
             opt.zero_grad()
             losses[compiled].append(loss.item())
     assert losses[True] == pytest.approx(losses[False], rel=1e-12)
+
+
+def _train_and_drop(step: bool) -> list[weakref.ref]:
+    """Shard a model, build its optimizer, train one step (or not), and drop both; return
+    weak references to the model, its sharding, its parameters and their shards."""
+    net = Net()
+    zero1.shard_model(net)
+    sharded = zero1.sharding_of(net)
+    opt = zero1.Stage3Optimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    if step:
+        net(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    refs = [weakref.ref(net), weakref.ref(sharded), *map(weakref.ref, net.parameters())]
+    refs += [weakref.ref(u.shard) for u in sharded.units]
+    return refs
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["built", "trained"])
+def test_a_dropped_sharded_model_is_collected(step):
+    refs = [r for _ in range(3) for r in _train_and_drop(step)]
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} of {len(refs)} objects outlived their model: " + ", ".join(
+        sorted({type(o).__name__ for o in alive}))
+
+
+@pytest.mark.parametrize("params, error, match", [
+    ([], ValueError, "empty parameter list"),
+    ([{"params": []}], ValueError, "empty parameter list"),
+    (torch.zeros(2), TypeError, "single"),
+    ({torch.zeros(2)}, TypeError, "set"),
+    ([{"lr": 0.1}], ValueError, "no 'params'"),
+    ([1.0], TypeError, "not a torch.Tensor"),
+])
+def test_stage3_optimizer_refusals_name_it(params, error, match):
+    with pytest.raises(error, match=match) as info:
+        zero1.Stage3Optimizer(params, torch.optim.SGD, lr=0.1)
+    assert str(info.value).startswith("Stage3Optimizer: "), info.value
+    assert "ShardedOptimizer" not in str(info.value)
+
+
+def test_stage3_optimizer_names_itself_for_a_parameter_listed_twice():
+    net = Net()
+    zero1.shard_model(net)
+    p = next(net.parameters())
+    with pytest.raises(ValueError, match="more than once") as info:
+        zero1.Stage3Optimizer([p, p], torch.optim.SGD, lr=0.1)
+    assert str(info.value).startswith("Stage3Optimizer: ")
+    opt = zero1.Stage3Optimizer([p], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="more than once") as info:
+        opt.add_param_group({"params": [p]})
+    assert str(info.value).startswith("Stage3Optimizer: ")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 # Every name is imported on first use (PEP 562), so that `import lab2bench` and the
 # `lab2bench --help` it serves do not import torch.

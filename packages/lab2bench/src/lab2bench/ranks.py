@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from lab2bench._process import (
+from lab2sys.processes import (
     OWNER_NAME,
     set_parent_death_signal,
     sweep_stale_folders,

@@ -1,6 +1,6 @@
 """Measurements on disk: one JSON line each, and atomic file writes (``atomic_write``,
-``atomic_write_bytes``, ``atomic_write_text`` and ``temp_file_beside``, which live in the
-internal :mod:`lab2bench._process` that the trainer's runtime shares)."""
+``atomic_write_bytes``, ``atomic_write_text`` and ``temp_file_beside``: :mod:`lab2sys.files`'
+functions, under the names lab2bench has always offered them by)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lab2bench._process import atomic_write as atomic_write
-from lab2bench._process import atomic_write_bytes as atomic_write_bytes
-from lab2bench._process import atomic_write_text as atomic_write_text
-from lab2bench._process import temp_file_beside as temp_file_beside
 from lab2bench.env import env_info
+from lab2sys.files import atomic_write as atomic_write
+from lab2sys.files import atomic_write_bytes as atomic_write_bytes
+from lab2sys.files import atomic_write_text as atomic_write_text
+from lab2sys.files import temp_file_beside as temp_file_beside
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -9,11 +9,12 @@ Four ways to average gradients across ranks, in order of speed:
   views into the bucket buffers.
 
 Modules: :mod:`minddp.allreduce` (the two baselines), :mod:`minddp.individual`,
-:mod:`minddp.bucketed` (with the bucket plan), :mod:`minddp.overlap` (what both overlapping
-wrappers share), :mod:`minddp.comm` (process-group queries, averaging, broadcasting a
-module), :mod:`minddp.model_check` (checks that every rank holds the same model).
-:mod:`minddp._internal` holds what zero1 builds on (the bucket plan, list-wide copies);
-it is not public API.
+:mod:`minddp.bucketed` (:class:`DDPBucketed`), :mod:`minddp.overlap` (what both
+overlapping wrappers share, with the agreed launch order), :mod:`minddp.buckets` (the
+bucket plan, no torch), :mod:`minddp.flat` (list-wide copies, flat packing, gradients as
+bucket views), :mod:`minddp.comm` (process-group queries, averaging),
+:mod:`minddp.broadcast` (broadcasting a module), :mod:`minddp.model_check` (checks that
+every rank holds the same model). Their public names are documented in the README.
 
 The names below are imported on first use, so that reading :data:`BUCKET_RULES` (a
 command line's ``--help``) does not import torch.
@@ -24,13 +25,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.6.0"
+from minddp.buckets import BUCKET_RULES  # pure Python: no torch
 
-#: How a cap cuts buckets: "at_most" never lets a bucket pass the cap (a parameter that
-#: would push it past opens the next one); "reach" closes a bucket once it reaches the
-#: cap, so each holds at least the cap but the last of a group, up to one parameter over
-#: it (PyTorch DDP's rule, which makes about half as many buckets).
-BUCKET_RULES = ("at_most", "reach")
+__version__ = "0.7.0"
 
 # The module that defines each public name.
 _HOMES = {
@@ -40,11 +37,11 @@ _HOMES = {
     "ModelMismatchError": "model_check",
     "SyncStats": "overlap",
     "all_reduce_gradients": "allreduce",
-    "broadcast_module": "comm",
+    "broadcast_module": "broadcast",
     "check_model_consistency": "model_check",
     "model_signature": "model_check",
-    "validate_bucket_rule": "bucketed",
-    "validate_bucket_size_mb": "bucketed",
+    "validate_bucket_rule": "buckets",
+    "validate_bucket_size_mb": "buckets",
 }
 
 __all__ = [
@@ -64,8 +61,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from minddp.allreduce import all_reduce_gradients
-    from minddp.bucketed import DDPBucketed, validate_bucket_rule, validate_bucket_size_mb
-    from minddp.comm import Averager, broadcast_module
+    from minddp.broadcast import broadcast_module
+    from minddp.bucketed import DDPBucketed
+    from minddp.buckets import validate_bucket_rule, validate_bucket_size_mb
+    from minddp.comm import Averager
     from minddp.individual import DDPIndividualParameters
     from minddp.model_check import ModelMismatchError, check_model_consistency, model_signature
     from minddp.overlap import SyncStats

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.comm import group_by_dtype_device, group_size
+from minddp.comm import group_size
+from minddp.flat import group_by_dtype_device
 from minddp.model_check import check_signature_agrees, gradient_signature, trainable_parameters
 
 

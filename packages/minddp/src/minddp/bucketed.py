@@ -1,157 +1,22 @@
-"""Data parallelism with gradients packed into flat buckets, each all-reduced when full.
-
-First the bucket plan (which parameters share a bucket: pure logic, no communication,
-also what zero1's buckets follow), then the wrapper, :class:`DDPBucketed`.
+"""Data parallelism with gradients packed into flat buckets, each all-reduced when full:
+:class:`DDPBucketed`. Its buckets are cut by the bucket plan (:mod:`minddp.buckets`), and
+each parameter's gradient lives in its bucket's flat buffer (:mod:`minddp.flat`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp import BUCKET_RULES
-from minddp.comm import copy_all, zero_all
+from minddp.buckets import TensorInfo, assign_buckets, validate_bucket_rule, validate_bucket_size_mb
+from minddp.flat import adopt_gradients, copy_all, zero_all
 from minddp.model_check import trainable_parameters
 from minddp.overlap import DataParallelWrapper, StepState
 
-# ------------------------------------------------------------------ bucket plan
-# Decide which parameters share a bucket (pure logic, no communication).
-_MIB = 1024 * 1024
 
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What bucketing needs to know about one parameter.
-
-    Attributes:
-        numel: number of elements.
-        element_size: bytes per element.
-        group: tensors of different groups (dtype and device) never share a bucket.
-    """
-
-    numel: int
-    element_size: int
-    group: Hashable
-
-
-def validate_bucket_size_mb(bucket_size_mb: float | None) -> float | None:
-    """Return ``bucket_size_mb`` if it is None or a finite positive number, else raise."""
-    if bucket_size_mb is None:
-        return None
-    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-        raise TypeError(f"bucket_size_mb must be a number or None, got {bucket_size_mb!r}")
-    if not (math.isfinite(bucket_size_mb) and bucket_size_mb > 0):
-        raise ValueError(f"bucket_size_mb must be positive and finite, got {bucket_size_mb}")
-    return float(bucket_size_mb)
-
-
-def validate_bucket_rule(rule: str) -> str:
-    """Return ``rule`` if it is one of :data:`BUCKET_RULES`, else raise ``ValueError``."""
-    if rule not in BUCKET_RULES:
-        raise ValueError(f"bucket_rule must be one of {', '.join(BUCKET_RULES)}, got {rule!r}")
-    return rule
-
-
-def assign_buckets(
-    infos: Sequence[TensorInfo],
-    bucket_size_mb: float | None,
-    order: Sequence[int] | None = None,
-    rule: str = "at_most",
-) -> list[list[int]]:
-    """Group parameter indices into buckets, walking the parameters in ``order``.
-
-    ``order`` is the order gradients are expected in. By default it is reverse
-    registration order (backward roughly reverses forward), so the first bucket is
-    the first to fill.
-
-    Rules: a bucket holds one group only (dtype/device); with ``rule="at_most"``
-    adding a parameter that would push a bucket past ``bucket_size_mb`` MiB closes it
-    and opens a new one, so a parameter larger than the cap sits alone; with
-    ``rule="reach"`` a bucket closes as soon as it holds ``bucket_size_mb`` MiB or
-    more; None means no cap (one bucket per group).
-
-    Args:
-        infos: one entry per parameter, in registration order.
-        bucket_size_mb: cap per bucket in MiB (2**20 bytes), or None.
-        order: a permutation of ``range(len(infos))``; None: reverse registration order.
-        rule: "at_most" or "reach" (:data:`BUCKET_RULES`).
-
-    Returns:
-        Buckets of indices into ``infos``, each listed in ``order``, the buckets sorted
-        by where their first member comes in ``order``.
-    """
-    cap = validate_bucket_size_mb(bucket_size_mb)
-    reach = validate_bucket_rule(rule) == "reach"
-    cap_bytes = None if cap is None else cap * _MIB
-    if order is None:
-        order = list(reversed(range(len(infos))))
-    elif sorted(order) != list(range(len(infos))):
-        raise ValueError(f"order must be a permutation of range({len(infos)}), got {order}")
-    position = {index: pos for pos, index in enumerate(order)}
-    open_bucket: dict[Hashable, tuple[list[int], int]] = {}
-    closed: list[list[int]] = []
-    for i in order:
-        info = infos[i]
-        nbytes = info.numel * info.element_size
-        members, size = open_bucket.get(info.group, ([], 0))
-        if not reach and members and cap_bytes is not None and size + nbytes > cap_bytes:
-            closed.append(members)
-            members, size = [], 0
-        members.append(i)
-        size += nbytes
-        if reach and cap_bytes is not None and size >= cap_bytes:
-            closed.append(members)
-            members, size = [], 0
-        open_bucket[info.group] = (members, size)
-    closed.extend(members for members, _ in open_bucket.values() if members)
-    closed.sort(key=lambda members: position[members[0]])
-    return closed
-
-
-# ------------------------------------------------------------------ gradients as views
-def adopt_gradients(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor],
-                    whole: torch.Tensor | None = None) -> list[int]:
-    """Make every parameter's ``.grad`` its view (into a bucket), keeping what it holds.
-
-    A gradient autograd created fresh (``.grad`` was None before backward) or one the
-    user assigned is copied into the view, all of them in one call; a view autograd
-    accumulated into in place stays. A parameter without a gradient gets zeros: with
-    one fill of ``whole`` (a tensor covering every view) when none of them has one.
-
-    Returns:
-        The positions in ``params`` of the parameters that had no gradient.
-    """
-    stale: list[torch.Tensor] = []
-    fresh: list[torch.Tensor] = []
-    empty: list[torch.Tensor] = []
-    missing: list[int] = []
-    for j, (p, view) in enumerate(zip(params, views)):
-        grad = p.grad
-        if grad is view:
-            continue
-        if grad is None:
-            empty.append(view)
-            missing.append(j)
-        else:
-            stale.append(view)
-            fresh.append(grad)
-        p.grad = view
-    if fresh:
-        copy_all(stale, fresh)
-    if empty:
-        if whole is not None and len(empty) == len(views):
-            whole.zero_()  # one fill for the bucket
-        else:
-            zero_all(empty)
-    return missing
-
-
-# ------------------------------------------------------------------ the wrapper
 @dataclass
 class _Bucket:
     """One flat buffer: the members' gradients back to back, then one used flag each."""

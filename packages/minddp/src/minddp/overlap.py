@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.comm import Averager, broadcast_module, global_rank_of, group_size, require_initialized
+from minddp.broadcast import broadcast_module
+from minddp.comm import Averager, global_rank_of, group_size, require_initialized
 from minddp.model_check import check_model_consistency
 
 

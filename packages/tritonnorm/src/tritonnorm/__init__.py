@@ -14,12 +14,13 @@ Public API:
     rms_norm_backward_x, rms_norm_backward_weight: closed-form gradients.
     OPTIONS (in tritonnorm.ops, defined in tritonnorm.options): which path a call takes.
 
-Modules: ``ops`` (the operator: entry points, dispatch rule, autograd.Functions, host
-functions), ``kernels`` (the Triton kernels), ``options`` (``OPTIONS``), ``reference``
-(plain PyTorch and the argument rules), ``nn`` (the modules and ``replace_rms_norms``),
-``limits`` (eps's range without torch). Internal: ``_launch`` (the kernels' arguments by
-name, Triton's launch), ``_tuning`` (launch configurations), ``_machinery`` (what cuts an
-eager call's host time), ``_library`` (the ``torch.ops.tritonnorm`` operators).
+Modules: ``ops`` (the operator: entry points, dispatch rule, autograd.Functions),
+``kernels`` (the Triton kernels), ``options`` (``OPTIONS``), ``reference`` (plain PyTorch
+and the argument rules), ``nn`` (the modules and ``replace_rms_norms``), ``limits`` (eps's
+range without torch). Internal: ``_host`` (the host functions: pick a kernel and its
+configuration, allocate, launch), ``_launch`` (the kernels' arguments by name, Triton's
+launch), ``_tuning`` (launch configurations), ``_machinery`` (what cuts an eager call's host
+time), ``_library`` (the ``torch.ops.tritonnorm`` operators).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 # Every name is imported on first use (PEP 562): `import tritonnorm` alone loads neither
 # torch nor triton, so that a command line importing it answers `--help` at once.

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 try:  # Triton is optional: without it (or on a platform it lacks) CUDA tensors use PyTorch.
-    from tritonnorm import kernels
+    import tritonnorm.kernels as kernels
 
     HAS_TRITON = True
     TRITON_IMPORT_ERROR: ImportError | None = None

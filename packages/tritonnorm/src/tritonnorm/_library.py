@@ -3,8 +3,8 @@
 On PyTorch >= 2.6 they are ``torch.library.triton_op``s whose bodies launch through
 ``wrap_triton``, so Inductor launches the kernels from its own code and CUDA graphs
 capture them (bodies allocate everything and keep no state); on PyTorch 2.4-2.5, opaque
-``custom_op``s. Arguments are checked by the entry points in ``ops``, whose host functions
-the bodies call.
+``custom_op``s. Arguments are checked by the entry points in ``ops``; the bodies call the host
+functions of ``_host``.
 
 No ``from __future__ import annotations``: PyTorch infers each operator's schema from the
 real (not stringified) annotations; ``Optional[...]`` rather than ``| None`` for the same
@@ -15,8 +15,7 @@ from typing import Optional
 
 import torch
 
-# ops imports this module at its top: the host functions are looked up when an operator runs.
-from tritonnorm import ops as _host
+import tritonnorm._host as _host
 from tritonnorm._launch import HAS_TRITON
 
 HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")

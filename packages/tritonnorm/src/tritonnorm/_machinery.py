@@ -1,7 +1,7 @@
 """The launch machinery: what cuts the host time of an eager call on the kernels.
 
 A ``kernel[grid](...)`` call costs tens of µs of host time, which is the whole cost of a
-small norm. Four pieces cut it; ``ops`` reaches them only through the calls named below,
+small norm. Four pieces cut it; ``_host`` reaches them only through the calls named below,
 and ``OPTIONS.launch_machinery = False`` switches all of them off:
 
 * the direct launcher (``launch``): Triton's compiled kernel, kept per specialisation and
@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tritonnorm import _launch, _tuning
+import tritonnorm._launch as _launch
+import tritonnorm._tuning as _tuning
 from tritonnorm._launch import kernels as _k
 from tritonnorm._tuning import cdiv, next_pow2
 from tritonnorm.options import _Switches
@@ -296,7 +297,7 @@ def backward_key(grad_output, x, weight, rstd, ds, needs_dx, dr_dtype, mode) -> 
 
 def replay_backward(grad_output, x, weight, rstd, needs_dx, ds, dr_dtype, mode):
     """(dx, dr, dweight) of an eager folded rows backward of a shape launched before, as
-    ``ops._backward`` returns them, allocated in x's shape; None where no plan applies."""
+    ``_host._backward`` returns them, allocated in x's shape; None where no plan applies."""
     key = backward_key(grad_output, x, weight, rstd, ds, needs_dx, dr_dtype, mode)
     plan = None if key is None else _BWD_PLANS.get(key)
     if plan is None:

@@ -5,7 +5,8 @@ shared by every stage), :mod:`zero1.buckets` (stages 1 and 2), :mod:`zero1.roote
 (Gloo's faster collectives), :mod:`zero1.sharded_optimizer` (``ShardedOptimizer``),
 :mod:`zero1.stage3` and :mod:`zero1.stage3_optimizer` (stage 3), :mod:`zero1.exchange`
 (the broadcast path), :mod:`zero1.checkpoint` (state dicts and their checks),
-:mod:`zero1.param_groups` (what users pass as ``params``, checked across ranks).
+:mod:`zero1.param_groups` (what users pass as ``params``, checked across ranks),
+:mod:`zero1.group` (the process group an optimizer shards over).
 """
 
 from .exchange import partition_parameters
@@ -14,7 +15,7 @@ from .sharded_optimizer import ShardedOptimizer, optimizer_state_bytes, optimize
 from .stage3 import shard_model, sharding_of
 from .stage3_optimizer import Stage3Optimizer
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "ParameterMismatchError",

@@ -32,45 +32,21 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from minddp._internal import (
-    TensorInfo,
-    adopt_gradients,
-    agree_on_order,
-    assign_buckets,
-    copy_all,
-    zero_all,
-)
+from minddp.buckets import TensorInfo, assign_buckets
+from minddp.flat import adopt_gradients, copy_all, zero_all
+from minddp.overlap import agree_on_order
 
-from .flat import FlatLayout, ShardCollectives, bind, member_views
+from .flat import FlatLayout, Piece, ShardCollectives, bind, member_views
+from .group import GroupInfo
 from .rooted import RootedCollectives
-
-if TYPE_CHECKING:
-    from .sharded_optimizer import GroupInfo
 
 #: How a bucket travels: "tensor" (``reduce_scatter_tensor`` and
 #: ``all_gather_into_tensor``), "rooted" (:mod:`zero1.rooted`), "auto" (rooted on Gloo).
 COLLECTIVES = ("auto", "tensor", "rooted")
-
-
-@dataclass
-class Piece:
-    """The part of one parameter a rank steps.
-
-    Attributes:
-        param: the model's parameter.
-        local: what the local optimizer holds: the parameter itself (broadcast path,
-            one rank) or a 1-D view of the flat buffer (bucket path).
-        start: offset of ``local``'s first element in the flattened parameter.
-    """
-
-    param: torch.Tensor
-    local: torch.Tensor
-    start: int
 
 
 @dataclass
@@ -457,6 +433,11 @@ class ShardedBuckets:
         if self._in_round:
             raise RuntimeError("ShardedOptimizer: the gradients were asked for during backward")
         if self._finished:
+            return
+        if not self.params:
+            # Nothing to train (every parameter frozen, on every rank: they were checked to
+            # agree): no reductions, no collectives, as torch.optim steps without gradients.
+            self._finished = True
             return
         if self._rounds == 0:
             self._next = 0

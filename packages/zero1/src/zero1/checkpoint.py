@@ -50,7 +50,7 @@ def state_of_pieces(state: Mapping[torch.Tensor, Any],
     Args:
         state: the local optimizer's ``state`` (keyed by the pieces' local tensors).
         numbered: ``(global parameter number, piece)`` for each piece this rank holds
-            (:class:`zero1.buckets.Piece`).
+            (:class:`zero1.flat.Piece`).
     """
     return [(index, None if piece.local is piece.param else piece.start,
              to_cpu(state[piece.local]))

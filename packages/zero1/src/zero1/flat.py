@@ -12,7 +12,8 @@ The API, used by stages 1 and 2 (:mod:`zero1.buckets`) and open to stage 3:
   :meth:`FlatLayout.pieces` (which part of which member lies in a rank's shard);
 * :func:`member_views` and :func:`bind`: the members as views of a flat buffer;
 * :class:`ShardCollectives`: ``reduce_scatter`` of a flat bucket into this rank's shard
-  (the sum) and ``all_gather`` of the shards back into the flat bucket, in place.
+  (the sum) and ``all_gather`` of the shards back into the flat bucket, in place;
+* :class:`Piece`: what an optimizer of any stage steps for one parameter.
 """
 
 from __future__ import annotations
@@ -129,3 +130,19 @@ class ShardCollectives:
         """Start filling ``flat`` with every rank's shard of it, from this rank's own."""
         return [dist.all_gather_into_tensor(flat, flat[layout.shard(self.rank)],
                                             group=self.group, async_op=True)]
+
+
+@dataclass
+class Piece:
+    """The part of one parameter a rank steps.
+
+    Attributes:
+        param: the model's parameter.
+        local: what the local optimizer holds: the parameter itself (broadcast path,
+            one rank) or a 1-D view of the flat buffer (bucket path).
+        start: offset of ``local``'s first element in the flattened parameter.
+    """
+
+    param: torch.Tensor
+    local: torch.Tensor
+    start: int

@@ -9,19 +9,19 @@ different inputs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from minddp import ModelMismatchError
 
-if TYPE_CHECKING:
-    from .sharded_optimizer import GroupInfo
+from .group import GroupInfo
 
 # Group keys that describe the parameters themselves, not hyperparameters.
 PARAM_KEYS = ("params", "param_names")
 
+#: The optimizer named in error messages, unless a caller names another (``who``).
 _WHO = "ShardedOptimizer"
 
 
@@ -30,19 +30,19 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in PARAM_KEYS}
 
 
-def _group_params(raw: Any, where: str) -> list[torch.Tensor]:
+def _group_params(raw: Any, where: str, who: str = _WHO) -> list[torch.Tensor]:
     """The parameters of one group as a list, with every element checked."""
     if isinstance(raw, torch.Tensor):
         # torch.optim accepts a single tensor as a group's "params"; so do we.
         return [raw]
     if isinstance(raw, (set, frozenset)):
         raise TypeError(
-            f"{_WHO}: {where} 'params' is a set; sets have no stable order across "
+            f"{who}: {where} 'params' is a set; sets have no stable order across "
             "processes, so every rank could shard differently. Pass a list."
         )
     if isinstance(raw, dict) or not isinstance(raw, Iterable):
         raise TypeError(
-            f"{_WHO}: {where} 'params' must be an iterable of tensors, got {type(raw).__name__}"
+            f"{who}: {where} 'params' must be an iterable of tensors, got {type(raw).__name__}"
         )
     params = list(raw)
     for i, p in enumerate(params):
@@ -51,25 +51,25 @@ def _group_params(raw: Any, where: str) -> list[torch.Tensor]:
             if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
                 hint = " (named parameters are not supported; pass model.parameters())"
             raise TypeError(
-                f"{_WHO}: {where} element {i} is a {type(p).__name__}, not a torch.Tensor{hint}"
+                f"{who}: {where} element {i} is a {type(p).__name__}, not a torch.Tensor{hint}"
             )
         if p.is_sparse:
-            raise TypeError(f"{_WHO}: {where} element {i} is a sparse tensor; only dense ones")
+            raise TypeError(f"{who}: {where} element {i} is a sparse tensor; only dense ones")
     return params
 
 
-def normalize_group(group: Any, where: str = "param group") -> dict[str, Any]:
+def normalize_group(group: Any, where: str = "param group", who: str = _WHO) -> dict[str, Any]:
     """A shallow copy of one param-group dict with ``params`` as a checked list."""
     if not isinstance(group, dict):
-        raise TypeError(f"{_WHO}: a param group must be a dict, got {type(group).__name__}")
+        raise TypeError(f"{who}: a param group must be a dict, got {type(group).__name__}")
     if "params" not in group:
-        raise ValueError(f"{_WHO}: {where} has no 'params' entry")
+        raise ValueError(f"{who}: {where} has no 'params' entry")
     out = {k: v for k, v in group.items() if k != "param_names"}
-    out["params"] = _group_params(group["params"], where)
+    out["params"] = _group_params(group["params"], where, who)
     return out
 
 
-def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
+def normalize_param_groups(params: Any, who: str = _WHO) -> list[dict[str, Any]]:
     """Turn ``params`` (tensors or param-group dicts) into a list of group dicts.
 
     Args:
@@ -81,33 +81,33 @@ def normalize_param_groups(params: Any) -> list[dict[str, Any]]:
     """
     if isinstance(params, torch.Tensor):
         raise TypeError(
-            f"{_WHO}: params must be an iterable of tensors or param-group dicts, but got a "
+            f"{who}: params must be an iterable of tensors or param-group dicts, but got a "
             f"single {torch.typename(params)}; wrap it in a list: [tensor]"
         )
     if isinstance(params, (set, frozenset)):
-        raise TypeError(f"{_WHO}: params is a set, whose order differs across processes; "
+        raise TypeError(f"{who}: params is a set, whose order differs across processes; "
                         "pass a list")
     if isinstance(params, dict) or not isinstance(params, Iterable):
         raise TypeError(
-            f"{_WHO}: params must be an iterable of tensors or param-group dicts, got "
+            f"{who}: params must be an iterable of tensors or param-group dicts, got "
             f"{type(params).__name__}"
         )
     items = list(params)
     if not items:
-        raise ValueError(f"{_WHO}: got an empty parameter list")
+        raise ValueError(f"{who}: got an empty parameter list")
     if all(isinstance(item, dict) for item in items):
-        groups = [normalize_group(g, f"param group {i}") for i, g in enumerate(items)]
+        groups = [normalize_group(g, f"param group {i}", who) for i, g in enumerate(items)]
     elif any(isinstance(item, dict) for item in items):
-        raise TypeError(f"{_WHO}: params mixes param-group dicts with other items")
+        raise TypeError(f"{who}: params mixes param-group dicts with other items")
     else:
-        groups = [{"params": _group_params(items, "params")}]
+        groups = [{"params": _group_params(items, "params", who)}]
     if sum(len(g["params"]) for g in groups) == 0:
-        raise ValueError(f"{_WHO}: got an empty parameter list (every param group is empty)")
+        raise ValueError(f"{who}: got an empty parameter list (every param group is empty)")
     return groups
 
 
 def check_distinct_and_colocated(
-    new: Sequence[torch.Tensor], existing: Sequence[torch.Tensor] = ()
+    new: Sequence[torch.Tensor], existing: Sequence[torch.Tensor] = (), who: str = _WHO
 ) -> None:
     """Reject a parameter listed twice, and parameters on more than one device.
 
@@ -122,7 +122,7 @@ def check_distinct_and_colocated(
     for i, p in enumerate(new):
         if id(p) in seen:
             raise ValueError(
-                f"{_WHO}: parameter {i} (shape {tuple(p.shape)}) appears more than once "
+                f"{who}: parameter {i} (shape {tuple(p.shape)}) appears more than once "
                 "(in one group or across groups); each parameter may be listed only once"
             )
         seen.add(id(p))
@@ -130,17 +130,18 @@ def check_distinct_and_colocated(
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(
-            f"{_WHO}: parameters are on mixed devices ({names}); every parameter must be "
+            f"{who}: parameters are on mixed devices ({names}); every parameter must be "
             "on this rank's one device"
         )
 
 
-def normalize_new_group(param_group: Any, param_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def normalize_new_group(param_group: Any, param_groups: Sequence[dict[str, Any]],
+                        who: str = _WHO) -> dict[str, Any]:
     """:func:`normalize_group` for ``add_param_group``: also rejects a parameter already in
     ``param_groups`` (the optimizer's groups), or on another device than theirs."""
-    group = normalize_group(param_group)
+    group = normalize_group(param_group, who=who)
     existing = [p for g in param_groups for p in g["params"]]
-    check_distinct_and_colocated(group["params"], existing)
+    check_distinct_and_colocated(group["params"], existing, who)
     return group
 
 

@@ -8,9 +8,7 @@ after a DDP wrapper's all-reduce and broadcasts them (:mod:`zero1.exchange`): 3Î
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +17,7 @@ from torch.optim import Optimizer
 
 from minddp import validate_bucket_rule, validate_bucket_size_mb
 
-from .buckets import COLLECTIVES, Piece, ShardedBuckets
+from .buckets import COLLECTIVES, ShardedBuckets
 from .checkpoint import (
     check_state_dict,
     gather_full_state,
@@ -30,6 +28,8 @@ from .checkpoint import (
     state_of_pieces,
 )
 from .exchange import ParameterExchange, partition_parameters
+from .flat import Piece
+from .group import resolve_group
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
@@ -38,52 +38,6 @@ from .param_groups import (
     normalize_new_group,
     normalize_param_groups,
 )
-
-
-# ------------------------------------------------------------------ the sharding group
-@dataclass(frozen=True)
-class GroupInfo:
-    """This process's view of the group the optimizer shards over.
-
-    Attributes:
-        group: the process group, or None for the default group / no group at all.
-        rank: this process's rank in ``group``.
-        world_size: number of ranks in ``group``.
-        global_ranks: the global rank of each group rank.
-    """
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-    global_ranks: tuple[int, ...]
-
-
-def resolve_group(process_group: dist.ProcessGroup | None) -> GroupInfo:
-    """Rank and size of ``process_group`` (the default group when None).
-
-    Without an initialised ``torch.distributed`` the optimizer runs alone (one rank,
-    no collectives), unless ``WORLD_SIZE`` says this process is one of several, which
-    almost surely means ``init_process_group`` was forgotten.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        if process_group is not None:
-            raise RuntimeError(
-                "ShardedOptimizer: a process_group was given but torch.distributed is not "
-                "initialized"
-            )
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise RuntimeError(
-                "ShardedOptimizer: WORLD_SIZE > 1 but torch.distributed is not initialized; "
-                "call torch.distributed.init_process_group first"
-            )
-        return GroupInfo(None, 0, 1, (0,))
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise ValueError("ShardedOptimizer: this process is not a member of process_group")
-    world_size = dist.get_world_size(process_group)
-    group = process_group if process_group is not None else dist.group.WORLD
-    global_ranks = tuple(dist.get_process_group_ranks(group))
-    return GroupInfo(process_group, rank, world_size, global_ranks)
 
 
 # ------------------------------------------------------------------ state size
@@ -459,6 +413,8 @@ class ShardedOptimizer(Optimizer):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         grads = self.shard_gradients()
+        if not grads:  # no trainable parameter on any rank (they agree): as torch's own
+            return torch.zeros(())
         wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=wide) for g in grads])
         if norm_type == float("inf"):

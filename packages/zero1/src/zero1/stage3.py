@@ -78,6 +78,35 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _gradient_hook(owner: weakref.ref[ShardedModel], unit: int, index: int
+                   ) -> Callable[[torch.Tensor], None]:
+    """The hook of parameter ``index`` of unit number ``unit``: it tells the sharded model,
+    while there is one, that the parameter's gradient is ready."""
+
+    def hook(_param: torch.Tensor) -> None:
+        sharded = owner()
+        if sharded is not None:
+            sharded._grad_ready(sharded.units[unit], index)
+
+    return hook
+
+
+def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
+    """``value`` with each tensor whose id is in ``swap`` replaced, through lists, tuples
+    and dicts. (A module-level function: a nested one that calls itself is a reference
+    cycle, which would keep ``swap``'s tensors, and the graph behind them, until a
+    garbage collection.)"""
+    if isinstance(value, torch.Tensor):
+        return swap.get(id(value), value)
+    if isinstance(value, tuple):
+        return tuple(_replace(v, swap) for v in value)
+    if isinstance(value, list):
+        return [_replace(v, swap) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace(v, swap) for k, v in value.items()}
+    return value
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward tells the unit that the gradients of its
     inputs are computed: its backward is over, its full parameters are no longer read."""
@@ -307,13 +336,19 @@ class ShardedModel:
         return units
 
     def _hook(self) -> None:
+        # A gradient hook lives in its parameter's autograd metadata, out of the garbage
+        # collector's sight, so a hook holding this object would keep a dropped model, its
+        # shards and this object alive for good (a cycle the collector cannot break). They
+        # hold it weakly instead, and the unit by its number. The module hooks are plain
+        # Python attributes of the modules: the collector frees them with the model.
+        this = weakref.ref(self)
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(
                 _eager(lambda m, a, k, u=unit: self._pre_forward(u, a, k)), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
                 _eager(lambda m, a, out, u=unit: self._post_forward(u, out))))
             for i in unit.trainable:
-                hook = _eager(lambda p, u=unit, i=i: self._grad_ready(u, i))
+                hook = _eager(_gradient_hook(this, unit.index, i))
                 self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
 
     # -------------------------------------------------------------- forward
@@ -341,19 +376,7 @@ class ShardedModel:
                 swap[cast.get(id(t), id(t))] = w
         if not swap:
             return None
-
-        def replace(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return swap.get(id(value), value)
-            if isinstance(value, tuple):
-                return tuple(replace(v) for v in value)
-            if isinstance(value, list):
-                return [replace(v) for v in value]
-            if isinstance(value, dict):
-                return {k: replace(v) for k, v in value.items()}
-            return value
-
-        return replace(args), replace(kwargs)
+        return _replace(args, swap), _replace(kwargs, swap)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
         if _in_backward():

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .buckets import Piece
 from .checkpoint import gather_full_state, load_full_state, pack_param_groups
+from .flat import Piece
 from .param_groups import (
     PARAM_KEYS,
     check_distinct_and_colocated,
@@ -85,9 +85,9 @@ class Stage3Optimizer(Optimizer):
         if issubclass(optimizer_cls, (*_NOT_ELEMENTWISE, Stage3Optimizer)):
             raise TypeError(f"{_WHO}: {optimizer_cls.__name__}'s update is not elementwise, so "
                             "it cannot step shards of parameters")
-        groups = normalize_param_groups(params)
+        groups = normalize_param_groups(params, _WHO)
         everything = [p for g in groups for p in g["params"]]
-        check_distinct_and_colocated(everything)
+        check_distinct_and_colocated(everything, who=_WHO)
         owners = {id(_owner(p)[0]): _owner(p)[0] for p in everything}
         self._shardings: list[ShardedModel] = list(owners.values())
         self._optimizer_cls = optimizer_cls
@@ -132,7 +132,7 @@ class Stage3Optimizer(Optimizer):
         if getattr(self, "_constructing", False):
             super().add_param_group(param_group)
             return
-        group = normalize_new_group(param_group, self.param_groups)
+        group = normalize_new_group(param_group, self.param_groups, _WHO)
         for p in group["params"]:
             sharded = _owner(p)[0]
             if all(s is not sharded for s in self._shardings):

@@ -17,7 +17,7 @@ rank describes what it holds as :class:`Part`\\ s, ``(key, start, local 1-D tens
   slice of it (the writes run in parallel, no rank writes everything); on load each rank
   reads it whole;
 * zero1 and zero2's flat bucket shards cut across parameters: each piece a rank steps is
-  a contiguous range of its parameter (:class:`zero1.buckets.Piece`, ``start``);
+  a contiguous range of its parameter (:class:`zero1.flat.Piece`, ``start``);
 * zero1-allreduce and torch (ZeroRedundancyOptimizer) give whole parameters' state to one
   rank each;
 * fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range;

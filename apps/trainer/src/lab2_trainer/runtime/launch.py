@@ -43,7 +43,7 @@ from lab2_trainer.runtime.supervise import (
     signal_name,
 )
 from lab2_trainer.runtime.wall_clock import mark_launch
-from lab2bench._process import threads_per_rank
+from lab2sys.processes import threads_per_rank
 
 
 # ------------------------------------------------------------ process setup and launch

@@ -21,8 +21,8 @@ A second run finds the file and tries the lock:
 
 **Atomic writes**: a reader, or a crash, sees the old file or the new one. Checkpoints,
 metrics, settings, plots and token caches are written to a temporary file in the target's
-folder, flushed to disk and renamed onto the target (``atomic_write``, shared with lab2bench
-in its internal ``lab2bench._process``). The temporary file is named ``.<name>.<pid>.tmp``
+folder, flushed to disk and renamed onto the target (``atomic_write``, from
+:mod:`lab2sys.files`, which lab2bench uses too). The temporary file is named ``.<name>.<pid>.tmp``
 (``.<name>.<random>.<pid>.tmp`` when that name is taken), so that what an interrupted write
 left can be told by the pid of its writer (:func:`clean_stale_temporaries` removes such
 files); it fits wherever the target's name fits, and only an absent target or a regular file
@@ -46,11 +46,11 @@ from lab2_trainer.config import UsageError
 
 # Atomic writes and process start times: one copy, shared with lab2bench (standard library
 # only); the trainer's modules take the writers from here.
-from lab2bench._process import NotARegularFile as NotARegularFile
-from lab2bench._process import atomic_write as atomic_write
-from lab2bench._process import atomic_write_text as atomic_write_text
-from lab2bench._process import process_start
-from lab2bench._process import temp_name as temp_name
+from lab2sys.files import NotARegularFile as NotARegularFile
+from lab2sys.files import atomic_write as atomic_write
+from lab2sys.files import atomic_write_text as atomic_write_text
+from lab2sys.files import temp_name as temp_name
+from lab2sys.processes import process_start
 
 try:
     import fcntl

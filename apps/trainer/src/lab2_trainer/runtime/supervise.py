@@ -42,8 +42,8 @@ from typing import Any
 
 # The process helpers the trainer shares with lab2bench (standard library only);
 # OWNER_NAME is the file in a watch folder that names its launcher.
-from lab2bench._process import OWNER_NAME as OWNER_NAME
-from lab2bench._process import (
+from lab2sys.processes import OWNER_NAME as OWNER_NAME
+from lab2sys.processes import (
     set_parent_death_signal,
     sweep_stale_folders,
     write_owner,

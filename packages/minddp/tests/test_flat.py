@@ -1,4 +1,4 @@
-"""minddp.comm without a process group: list-wide copy and zero (with torch's foreach kernels
+"""minddp.flat (no process group): list-wide copy and zero (with torch's foreach kernels
 and without), and flat packing."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minddp import comm
+from minddp import flat
 
 
 def _tensors(seed: int) -> list[torch.Tensor]:
@@ -22,9 +22,9 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 @pytest.fixture(params=["foreach", "loop"])
 def bulk(request, monkeypatch):
     if request.param == "loop":  # what runs on a torch without the foreach ops
-        monkeypatch.setattr(comm, "_copy", None)
-        monkeypatch.setattr(comm, "_zero", None)
-    return comm
+        monkeypatch.setattr(flat, "_copy", None)
+        monkeypatch.setattr(flat, "_zero", None)
+    return flat
 
 
 @pytest.mark.parametrize("count", [1, 4])
@@ -48,10 +48,10 @@ def test_zero_all_zeroes_only_the_views_given(bulk):
 
 def test_flatten_round_trip_and_grouping():
     tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 1, 2)]
-    flat = comm.flatten_tensors(tensors)
-    assert flat.shape == (12,)
+    packed = flat.flatten_tensors(tensors)
+    assert packed.shape == (12,)
     targets = [torch.empty_like(t) for t in tensors]
-    comm.unflatten_into(flat, targets)
+    flat.unflatten_into(packed, targets)
     assert all(torch.equal(a, b) for a, b in zip(tensors, targets))
     mixed = [torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)]
-    assert comm.group_by_dtype_device(mixed) == [[0, 2], [1]]
+    assert flat.group_by_dtype_device(mixed) == [[0, 2], [1]]
