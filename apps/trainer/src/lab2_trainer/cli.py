@@ -555,9 +555,10 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     except UsageError as exc:
         return _error(str(exc))
     except Exception as exc:  # a refused write (a full disk) is one line, not a traceback
+        from lab2_trainer.config import Diverged
         from lab2_trainer.run_folder import WriteFailed, write_failure
 
-        line = str(exc) if isinstance(exc, WriteFailed) else write_failure(exc)
+        line = str(exc) if isinstance(exc, (WriteFailed, Diverged)) else write_failure(exc)
         if line is None:
             raise
         print(f"lab2-train: error: {line}", file=sys.stderr, flush=True)
