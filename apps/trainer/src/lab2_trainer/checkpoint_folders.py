@@ -13,8 +13,14 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 * ``manifest.json``, written last and atomically by rank 0 once every rank's files are
   on disk: the size and CRC-32 of every other file. **A folder without a valid manifest
   is not a checkpoint** (an interrupted write, a ``kill -9``): :func:`newest_step` skips
-  it, and :func:`verify` refuses a folder whose files do not match it (missing,
-  truncated, corrupt).
+  it (:func:`incomplete_steps` says why), and :func:`verify` refuses a folder whose files
+  do not match it (missing, truncated, corrupt), or that holds a file a load would read
+  (``*.distcp``, ``*.metadata``, ``trainer.pt``) which the manifest does not list, or
+  whose ``.metadata`` points a load at a file the manifest does not list: every byte a
+  load reads is checked.
+
+Files are opened without blocking and read only when regular (:func:`open_regular`): a
+FIFO or a device named like a checkpoint's file never holds a run.
 
 ``lab2-train export`` turns a step folder into one single-file checkpoint
 (:func:`export`): a plain ``torch.load`` holding the model's state dict and AdamW's own
@@ -23,19 +29,22 @@ state dict, which ``--resume`` also takes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import torch
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.run_folder import atomic_write, atomic_write_text
+from lab2_trainer.run_folder import NotARegularFile, atomic_write, atomic_write_text
 
 CKPT_DIR = "ckpt"
 MANIFEST = "manifest.json"
@@ -43,6 +52,8 @@ TRAINER_STATE = "trainer.pt"
 FORMAT = "lab2-trainer-sharded-checkpoint"
 VERSION = 1
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+#: The largest manifest read (one is a few hundred bytes per file listed).
+MANIFEST_MAX_BYTES = 16 << 20
 
 
 def step_folder(root: str | os.PathLike, step: int) -> Path:
@@ -50,10 +61,29 @@ def step_folder(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
+def open_regular(path: str | os.PathLike) -> IO[bytes]:
+    """``path`` opened for reading without blocking (a FIFO's open would wait for a writer
+    forever), and only when it is a regular file.
+
+    Raises:
+        NotARegularFile: it is a FIFO, a device, a socket or a folder.
+        OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(errno.EINVAL, f"{path} is not a regular file; never read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def file_crc(path: str | os.PathLike, block: int = 1 << 24) -> tuple[int, int]:
-    """(bytes, CRC-32) of a file, read in blocks."""
+    """(bytes, CRC-32) of a regular file, read in blocks (:func:`open_regular`)."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(block):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
@@ -75,24 +105,58 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     Raises:
         UsageError: none, unreadable, or not ours.
     """
-    path = folder / MANIFEST
-    if not path.is_file():
+    body, problem = _manifest(folder)
+    if problem is not None:
+        raise UsageError(f"checkpoint {folder} cannot be used: {problem}")
+    if body is None:
         raise UsageError(f"{folder} has no {MANIFEST}: not a complete checkpoint (an "
                          "interrupted write leaves none)")
+    return body
+
+
+def _manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the manifest, None), or (None, what is wrong with it), or (None, None) when there
+    is none (an interrupted write)."""
+    from lab2_trainer.validate_inputs import _kind
+
+    path = folder / MANIFEST
     try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
+        kind = _kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return None, f"its {MANIFEST} is a symbolic link to nothing"
+        return None, None
+    except OSError as exc:
+        return None, f"its {MANIFEST} cannot be examined ({exc.strerror or exc})"
+    if kind is not None:
+        return None, f"its {MANIFEST} is {kind}, not a regular file"
+    try:
+        with open_regular(path) as f:
+            data = f.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        return None, f"its {MANIFEST} cannot be read ({exc.strerror or exc})"
+    if len(data) > MANIFEST_MAX_BYTES:
+        return None, f"its {MANIFEST} is over {MANIFEST_MAX_BYTES:,} bytes"
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, f"its {MANIFEST} is not valid JSON: {exc}"
     files = body.get("files") if isinstance(body, dict) else None
     if (not isinstance(body, dict) or body.get("format") != FORMAT
             or not isinstance(files, dict)
             or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
                        and isinstance(v.get("crc32"), str) for v in files.values())):
-        raise UsageError(f"{path} is not a lab2-trainer checkpoint manifest")
+        return None, f"its {MANIFEST} is not a lab2-trainer checkpoint manifest"
     if body.get("version") != VERSION:
-        raise UsageError(f"{path} is manifest version {body.get('version')}; this trainer "
-                         f"reads {VERSION}")
-    return body
+        return None, (f"its {MANIFEST} is manifest version {body.get('version')}; this "
+                      f"trainer reads {VERSION}")
+    return body, None
+
+
+def read_by_load(name: str) -> bool:
+    """Whether a load may read the file ``name`` of a step folder: DCP's shards and
+    metadata, and the small state. Each must be listed in the manifest (and so checked)."""
+    return name.endswith((".distcp", ".metadata")) or name == TRAINER_STATE
 
 
 def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
@@ -103,7 +167,10 @@ def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
     if size != entry["bytes"]:
         return (f"file {name} is {'truncated' if size < entry['bytes'] else 'longer'} "
                 f"({size:,} bytes, the manifest says {entry['bytes']:,})")
-    _, crc = file_crc(path)
+    try:
+        _, crc = file_crc(path)
+    except OSError as exc:  # swapped for a FIFO since the check above, or unreadable
+        return f"file {name} cannot be read ({exc.strerror or exc})"
     if f"{crc:08x}" != entry["crc32"]:
         return f"file {name} does not match its checksum (crc32 {crc:08x}, saved {entry['crc32']})"
     return None
@@ -122,29 +189,92 @@ def verify(folder: Path) -> dict[str, Any]:
     for required in (TRAINER_STATE, ".metadata"):
         if required not in names:
             raise UsageError(f"checkpoint {folder} is damaged: its manifest lists no {required}")
+    # What the folder holds for a load to read is exactly what the manifest lists: a file
+    # it does not list would be read unchecked (any kind of file: a FIFO is named, never
+    # opened).
+    try:
+        present = sorted(e.name for e in os.scandir(folder) if read_by_load(e.name))
+    except OSError as exc:
+        raise UsageError(f"cannot list checkpoint {folder}: {exc.strerror or exc}") from None
+    unlisted = [n for n in present if n not in body["files"]]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise UsageError(f"checkpoint {folder} is damaged: file {unlisted[0]}{more} is not in "
+                         "its manifest, so a load would read it unchecked")
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
         problems = list(pool.map(lambda n: _file_problem(folder, n, body["files"][n]), names))
     for problem in problems:
         if problem:
             raise UsageError(f"checkpoint {folder} is damaged: {problem}")
+    # The files DCP opens are those its (now checked) metadata names.
+    storage = getattr(dcp_metadata(folder), "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UsageError(f"checkpoint {folder} is damaged: its .metadata says where no "
+                         "tensor is stored")
+    named = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()})
+    outside = [n for n in named if n not in body["files"]]
+    if outside:
+        raise UsageError(f"checkpoint {folder} is damaged: its .metadata reads tensors from "
+                         f"{outside[0]!r}, which its manifest does not list")
     return body
 
 
 def complete_steps(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every step folder under ``root`` with a readable manifest, oldest
     first (the files are not checked here: :func:`verify` does)."""
+    return sorted((step, folder) for step, folder in _step_folders(root)
+                  if _manifest(folder)[0] is not None)
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every folder named ``step-N`` under ``root``."""
     found = []
     if not root.is_dir():
         return found
     for entry in root.iterdir():
         match = STEP_FOLDER.match(entry.name)
-        if match and entry.is_dir() and (entry / MANIFEST).is_file():
-            try:
-                read_manifest(entry)
-            except UsageError:
-                continue
+        if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
-    return sorted(found)
+    return found
+
+
+class Incomplete(NamedTuple):
+    """A step folder that is not a complete checkpoint."""
+
+    step: int
+    folder: Path
+    why: str
+    """In words: an interrupted write, or what is wrong with its manifest."""
+    interrupted: bool
+    """It has no manifest: an interrupted write (a kill during a save). Otherwise its
+    manifest is there but unreadable, and its other files may well be intact."""
+
+
+def incomplete_steps(root: Path) -> list[Incomplete]:
+    """Every step folder under ``root`` that :func:`newest_step` skips, oldest first, with
+    why."""
+    found = []
+    for step, folder in sorted(_step_folders(root)):
+        body, problem = _manifest(folder)
+        if body is None:
+            found.append(Incomplete(step, folder, problem or f"an interrupted write: no "
+                                    f"{MANIFEST}", problem is None))
+    return found
+
+
+def set_aside(item: Incomplete) -> Path:
+    """Rename an incomplete step folder to ``step-N.partial-<time>`` (an interrupted write)
+    or ``step-N.unreadable-<time>`` beside it, a name no run reads or removes; returns the
+    new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{item.folder.name}.{'partial' if item.interrupted else 'unreadable'}-{stamp}"
+    target = item.folder.with_name(base)
+    n = 1
+    while os.path.lexists(target):
+        n += 1
+        target = item.folder.with_name(f"{base}-{n}")
+    os.rename(item.folder, target)
+    return target
 
 
 def newest_step(root: Path) -> Path | None:
@@ -178,8 +308,11 @@ def resolve(path: str | os.PathLike) -> Path:
         if is_checkpoint_root(root):
             newest = newest_step(root)
             if newest is None:
+                found = incomplete_steps(root)
+                last = f"; {found[-1].folder.name}: {found[-1].why}" if found else ""
                 raise UsageError(f"{root} holds no complete checkpoint (no step folder with "
-                                 f"a valid {MANIFEST})")
+                                 f"a valid {MANIFEST}{last}): a run there without --resume "
+                                 "starts afresh, setting it aside")
             return newest
     if (p / CHECKPOINT_NAME).is_file():
         return p / CHECKPOINT_NAME
@@ -187,11 +320,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def has_checkpoint(run: str | os.PathLike) -> bool:
-    """Whether a run folder holds a checkpoint (complete or not) of either format."""
+    """Whether a run folder holds a complete checkpoint of either format (step folders
+    without a valid manifest do not count: :func:`incomplete_steps`)."""
     from lab2_trainer.checkpoint import CHECKPOINT_NAME
 
     run = Path(run)
-    return (run / CHECKPOINT_NAME).exists() or is_checkpoint_root(run / CKPT_DIR)
+    return (run / CHECKPOINT_NAME).exists() or newest_step(run / CKPT_DIR) is not None
 
 
 def prune(root: Path, keep_last: int, newest: int) -> list[str]:
@@ -264,10 +398,21 @@ def saved_tensors(folder: Path) -> dict[str, Any]:
     Raises:
         UsageError: the metadata cannot be read.
     """
+    return dict(dcp_metadata(folder).state_dict_metadata)
+
+
+def dcp_metadata(folder: Path) -> Any:
+    """DCP's ``Metadata`` of a step folder (its ``.metadata``, a regular file).
+
+    Raises:
+        UsageError: it cannot be read.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        with open_regular(folder / ".metadata"):  # never a FIFO's open
+            pass
+        return FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None
@@ -286,12 +431,21 @@ def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
         size += int(md.size.numel()) * md.properties.dtype.itemsize
         if size < budget and i + 1 < len(keys):
             continue
-        for name, t in full_tensors(folder, batch).items():
-            if t.is_floating_point():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:
-                    return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
+        bad = non_finite(full_tensors(folder, batch))
+        if bad:
+            return bad
         batch, size = [], 0
+    return None
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first of ``tensors`` (by name) holding NaN or infinity, described."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
     return None
 
 
@@ -321,7 +475,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         The step folder exported.
 
     Raises:
-        UsageError: the source is not a complete, intact checkpoint.
+        UsageError: the output cannot be written there (checked first: a FIFO, a folder,
+            a path below a file, a name too long, a place inside a checkpoint), or the
+            source is not a complete, intact checkpoint with finite values (the checks of
+            ``--resume``).
     """
     from lab2_trainer.checkpoint import FORMAT as FILE_FORMAT
     from lab2_trainer.checkpoint import VERSION as FILE_VERSION
@@ -333,6 +490,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     folder = resolve(source)
     if folder.is_file():
         raise UsageError(f"{folder} is a single-file checkpoint already")
+    check_export_output(out, folder)
     verify(folder)
     small = load_trainer_state(folder)
     model = shape_model(ModelConfig.from_dict(small["model_config"]))
@@ -342,6 +500,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     keys += [k for n in names.values() for k in
              [state_key(n, m) for m in (*MOMENTS, "step")] if k in meta]
     flat = full_tensors(folder, keys)
+    bad = non_finite(flat)  # what --resume refuses is not exported either
+    if bad:
+        raise UsageError(f"checkpoint {folder} is unusable: {bad}")
     params = dict(model.named_parameters(remove_duplicate=False))
     model_state = {name: flat[model_key(names[id(p)])].view(p.shape)
                    for name, p in params.items()}
@@ -370,11 +531,47 @@ def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torc
     return [p for g in param_groups(model, decay) for p in g["params"]]
 
 
+def check_export_output(out: str | os.PathLike, folder: Path) -> Path:
+    """The export's output is a file that can be written (``--out``'s checks of a path:
+    absent or a regular file, below a writable folder, a name the system takes) and lies
+    outside every step folder, the source's above all (writing there would change a
+    checkpoint).
+
+    Raises:
+        UsageError: one line naming what is wrong; nothing was written.
+    """
+    from lab2_trainer.validate_inputs import check_output_file, shown
+
+    text = os.fspath(out)
+    if text.endswith(("/", os.sep)) or text.endswith((f"{os.sep}.", f"{os.sep}..")) \
+            or text in (".", ".."):
+        raise UsageError(f"export output {shown(text)} names a folder; export writes one "
+                         "file: name it (nothing was written)")
+    check_output_file(text, "export output", make_parents=True)
+    real = Path(os.path.realpath(Path(text).expanduser()))
+    inside = [a for a in real.parents
+              if a == Path(os.path.realpath(folder))
+              or (STEP_FOLDER.match(a.name) and os.path.lexists(a / MANIFEST))]
+    if inside:
+        raise UsageError(f"export output {shown(text)} is inside the checkpoint "
+                         f"{shown(inside[0])}: writing there would change it; choose a path "
+                         "outside (nothing was written)")
+    return real
+
+
 def write_export(source: str, out: str) -> int:
-    """``lab2-train export CKPT OUT``'s work; returns the exit code."""
-    if Path(out).is_dir():
-        raise UsageError(f"{out} is a folder; export writes one file")
-    folder = export(source, out)
+    """``lab2-train export CKPT OUT``'s work; returns the exit code (1, with one line, when
+    the machine refuses a read or the write: the output is written atomically, so nothing
+    is left of it)."""
+    import sys
+
+    try:
+        folder = export(source, out)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"lab2-train: error: export failed: {exc.strerror or exc}{where}; nothing was "
+              "written", file=sys.stderr, flush=True)
+        return 1
     print(f"lab2-train: exported {folder} to {out}")
     return 0
 

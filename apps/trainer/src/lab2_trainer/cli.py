@@ -190,9 +190,13 @@ def _torchrun_world() -> int | None:
 
 
 def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: str,
-                     torchrun_world: int | None = None):
+                     torchrun_world: int | None = None, notes: list[str] | None = None):
     """Turn the settings given (:func:`given_settings`) and a checkpoint, when resuming,
     into resolved, checked settings for ``device_type``.
+
+    Args:
+        notes: where to add what the run should say before it starts (a resumed run whose
+            sharding or DDP kind is chosen afresh for a new rank layout).
 
     Returns:
         (settings, corpus) with the corpus loaded once here, which also checks the data
@@ -277,6 +281,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if ckpt is not None and notes is not None:
+        notes += layout_notes(saved, settings, explicit, path)
     check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
     if settings.compile:
@@ -330,6 +336,22 @@ def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Pa
                              f"{getattr(saved, name)!r}, which its optimizer state keeps: a "
                              f"resumed run cannot change it to {explicit[name]!r} (drop "
                              f"{flag(name)})")
+
+
+def layout_notes(saved: TrainSettings, settings: TrainSettings, explicit: dict[str, Any],
+                 path: Path) -> list[str]:
+    """One line when a resumed run's sharding or DDP kind, not given, differs from its
+    checkpoint's: a new rank layout is resolved afresh (:func:`resumed_settings`), with the
+    defaults of its number of ranks."""
+    changed = [n for n in ("sharding", "ddp")
+               if n not in explicit and getattr(settings, n) != getattr(saved, n)]
+    if not changed:
+        return []
+    was = " ".join(f"{flag(n)} {getattr(saved, n)}" for n in ("sharding", "ddp"))
+    now = " ".join(f"{flag(n)} {getattr(settings, n)}" for n in ("sharding", "ddp"))
+    keep = " ".join(f"{flag(n)} {getattr(saved, n)}" for n in changed)
+    return [f"{path} was saved by {saved.nproc} rank(s) with {was}; on {settings.nproc} "
+            f"rank(s) the layout is chosen afresh: {now} (pass {keep} to keep it)"]
 
 
 def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type: str,
@@ -389,19 +411,22 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
     previous = supervise.install_termination_handler()
     claim = settings = None
+    notes: list[str] = []
     try:
         try:
             given = given_settings(args)
             device_type = launch.resolve_device_type(given[0].get("device", "auto"))
             torchrun_world = _torchrun_world()
             under_torchrun = torchrun_world is not None
-            settings, _ = resolve_settings(given, device_type, torchrun_world)
+            settings, _ = resolve_settings(given, device_type, torchrun_world, notes)
             # A resumed run keeps its checkpoint's --device unless one is given.
             device_type = settings.device_type
             world_size, timeout_s = settings.nproc, settings.timeout
             if not under_torchrun or int(os.environ["RANK"]) == 0:
                 claim = _claim_out(settings)
                 _write_settings(settings)
+                for note in notes:
+                    print(f"lab2-train: note: {note}", file=sys.stderr, flush=True)
         except UsageError as exc:
             return _error(str(exc))
         if under_torchrun:
@@ -490,6 +515,7 @@ def _claim_out(settings):
             source = Path(settings.resume).parent
             if source.resolve() != Path(settings.out).resolve() and not folder_is_claimed(source):
                 removed += clean_stale_temporaries(source, only_dead_writers=True)
+        incomplete = incomplete_step_notes(settings)
     except BaseException:
         claim.release()
         raise
@@ -503,7 +529,59 @@ def _claim_out(settings):
     if removed:
         print(f"lab2-train: note: removed {len(removed)} temporary file(s) left by interrupted "
               f"writes: {', '.join(removed)}", file=sys.stderr, flush=True)
+    for note in incomplete:
+        print(f"lab2-train: note: {note}", file=sys.stderr, flush=True)
     return claim
+
+
+def incomplete_step_notes(settings) -> list[str]:
+    """Deal with the step folders that are not complete checkpoints (no valid manifest)
+    which this run meets, before it writes any; returns a line for each:
+
+    * in ``--out``'s ``ckpt/``, one whose manifest is there but unreadable (its shards may
+      be intact) is set aside as ``step-N.unreadable-<time>``, so that the run neither
+      overwrites it (a save of that step) nor removes it (``--keep-last``);
+    * there too, on a fresh start, an interrupted write's (no manifest) is set aside as
+      ``step-N.partial-<time>``;
+    * a resume names each one newer than its step, which it passed over (an interrupted
+      write there is replaced when the run saves that step again).
+
+    Raises:
+        UsageError: a folder cannot be renamed.
+    """
+    from lab2_trainer.checkpoint_folders import CKPT_DIR, STEP_FOLDER, incomplete_steps, set_aside
+
+    out_root = Path(settings.out) / CKPT_DIR
+    resumed = Path(settings.resume) if settings.resume is not None else None
+    match = STEP_FOLDER.match(resumed.name) if resumed is not None and resumed.is_dir() else None
+    same_root = match is not None and os.path.realpath(resumed.parent) == os.path.realpath(
+        out_root)
+    notes = []
+    if match is not None and not same_root:  # nothing is written there: named only
+        notes += [f"passed over {item.folder} ({item.why}); resuming from {resumed}"
+                  for item in incomplete_steps(resumed.parent) if item.step > int(match[1])]
+    for item in incomplete_steps(out_root):
+        passed = same_root and item.step > int(match[1])
+        if item.interrupted and resumed is not None:
+            if passed:
+                notes.append(f"passed over {item.folder} ({item.why}); resuming from {resumed}")
+            continue
+        try:
+            aside = set_aside(item)
+        except OSError as exc:
+            raise UsageError(f"cannot set aside {item.folder} ({item.why}): "
+                             f"{exc.strerror or exc}") from None
+        if passed:
+            notes.append(f"passed over {item.folder} ({item.why}); set it aside as "
+                         f"{aside.name}, so that this run does not overwrite it; resuming "
+                         f"from {resumed}")
+        elif item.interrupted:
+            notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}: no complete "
+                         "checkpoint there, so this run starts afresh")
+        else:
+            notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}, so that "
+                         "this run does not overwrite or remove it")
+    return notes
 
 
 def _write_settings(settings) -> None:

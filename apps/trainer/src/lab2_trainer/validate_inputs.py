@@ -176,9 +176,11 @@ def read_bounded_text(path: str | os.PathLike, what: str,
         raise UsageError(f"{what} {shown(path)}: not UTF-8 text ({exc})") from None
 
 
-def check_output_file(path: str | os.PathLike, what: str) -> Path:
-    """An output file's ``path`` is absent or a regular file, in an existing folder: a
-    folder, a device, a FIFO or a socket there is never replaced.
+def check_output_file(path: str | os.PathLike, what: str, *,
+                      make_parents: bool = False) -> Path:
+    """An output file's ``path`` is absent or a regular file, in an existing folder (with
+    ``make_parents``, in a folder that can be made: its nearest existing ancestor is a
+    writable folder): a folder, a device, a FIFO or a socket there is never replaced.
 
     Raises:
         UsageError: one line naming the flag and what is in the way.
@@ -192,6 +194,9 @@ def check_output_file(path: str | os.PathLike, what: str) -> Path:
                          "regular file is written (nothing was written)")
     parent = p.parent
     pst = _stat(parent, what)
+    while make_parents and pst is None and parent.parent != parent:
+        parent = parent.parent  # made by the write; what is above must be a folder
+        pst = _stat(parent, what)
     if pst is None or not stat.S_ISDIR(pst.st_mode):
         raise UsageError(f"{what} {shown(path)}: {shown(parent)} is not a folder (nothing was "
                          "written)")
