@@ -24,6 +24,7 @@ from lab2_trainer.config import (
     ModelConfig,
     TrainSettings,
     UsageError,
+    default_layout,
     field_docs,
     flag,
     from_toml,
@@ -341,11 +342,11 @@ def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Pa
 def layout_notes(saved: TrainSettings, settings: TrainSettings, explicit: dict[str, Any],
                  path: Path) -> list[str]:
     """One line when a resumed run's sharding or DDP kind, not given, differs from its
-    checkpoint's: a new rank layout is resolved afresh (:func:`resumed_settings`), with the
-    defaults of its number of ranks."""
+    checkpoint's, which was not the default there: a new rank layout is resolved afresh
+    (:func:`resumed_settings`), with the defaults of its number of ranks."""
     changed = [n for n in ("sharding", "ddp")
                if n not in explicit and getattr(settings, n) != getattr(saved, n)]
-    if not changed:
+    if not changed or (saved.sharding, saved.ddp) == default_layout(saved.nproc, None, None):
         return []
     was = " ".join(f"{flag(n)} {getattr(saved, n)}" for n in ("sharding", "ddp"))
     now = " ".join(f"{flag(n)} {getattr(settings, n)}" for n in ("sharding", "ddp"))
@@ -515,7 +516,7 @@ def _claim_out(settings):
             source = Path(settings.resume).parent
             if source.resolve() != Path(settings.out).resolve() and not folder_is_claimed(source):
                 removed += clean_stale_temporaries(source, only_dead_writers=True)
-        incomplete = incomplete_step_notes(settings)
+        incomplete = step_folder_notes(settings)
     except BaseException:
         claim.release()
         raise
@@ -534,7 +535,7 @@ def _claim_out(settings):
     return claim
 
 
-def incomplete_step_notes(settings) -> list[str]:
+def step_folder_notes(settings) -> list[str]:
     """Deal with the step folders that are not complete checkpoints (no valid manifest)
     which this run meets, before it writes any; returns a line for each:
 
@@ -544,12 +545,21 @@ def incomplete_step_notes(settings) -> list[str]:
     * there too, on a fresh start, an interrupted write's (no manifest) is set aside as
       ``step-N.partial-<time>``;
     * a resume names each one newer than its step, which it passed over (an interrupted
-      write there is replaced when the run saves that step again).
+      write there is replaced when the run saves that step again);
+
+    and one line when a resume from an older step in ``--out`` will replace newer complete
+    checkpoints there.
 
     Raises:
         UsageError: a folder cannot be renamed.
     """
-    from lab2_trainer.checkpoint_folders import CKPT_DIR, STEP_FOLDER, incomplete_steps, set_aside
+    from lab2_trainer.checkpoint_folders import (
+        CKPT_DIR,
+        STEP_FOLDER,
+        complete_steps,
+        incomplete_steps,
+        set_aside,
+    )
 
     out_root = Path(settings.out) / CKPT_DIR
     resumed = Path(settings.resume) if settings.resume is not None else None
@@ -581,6 +591,11 @@ def incomplete_step_notes(settings) -> list[str]:
         else:
             notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}, so that "
                          "this run does not overwrite or remove it")
+    newer = [folder.name for n, folder in complete_steps(out_root)
+             if same_root and n > int(match[1])]
+    if newer:
+        notes.append(f"resuming from {resumed} while {out_root} holds newer checkpoints "
+                     f"({', '.join(newer)}): this run replaces each as it saves that step again")
     return notes
 
 
