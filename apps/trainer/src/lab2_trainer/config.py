@@ -45,6 +45,12 @@ class UsageError(Exception):
     """Bad input (options, data, checkpoint): reported as one line on stderr, exit code 2."""
 
 
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite. Every rank sees it at the same step (the
+    loss is averaged over the ranks first), so rank 0 alone reports it, in one line (the
+    message); the run ends with exit code 1."""
+
+
 #: The exit code of every command line of the trainer on bad input (a ``UsageError``).
 EXIT_BAD_INPUT = 2
 
@@ -532,6 +538,11 @@ class TrainSettings:
         """Check the settings for ``world_size`` ranks (resolving what is still unset);
         ``ValueError`` with one line naming the first bad setting."""
         self.model.validate()
+        if self.model.eps == 0:
+            # The norms take 0 (tritonnorm's range); a run does not: RMSNorm's
+            # 1 / sqrt(mean(x^2) + eps) divides by zero on a row of zeros.
+            raise ValueError(f"--eps must be > 0 for training, got {self.model.eps!r}: a zero "
+                             "eps divides by zero in the norm of a row of zeros")
         if self.ddp is None or self.sharding is None or self.nproc is None:
             self.resolve(world_size)
         self.fill_recipe()

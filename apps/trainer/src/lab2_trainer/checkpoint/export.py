@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from lab2_trainer.checkpoint.folders import load_trainer_state, resolve, verify
+from lab2_trainer.checkpoint.folders import (
+    MANIFEST,
+    STEP_FOLDER,
+    load_trainer_state,
+    non_finite,
+    resolve,
+    verify,
+)
 from lab2_trainer.checkpoint.parts import full_tensors, saved_tensors
 from lab2_trainer.config import UsageError
 from lab2_trainer.runtime.run_folder import atomic_write
@@ -28,7 +35,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         The step folder exported.
 
     Raises:
-        UsageError: the source is not a complete, intact checkpoint.
+        UsageError: the output cannot be written there (checked first: a FIFO, a folder,
+            a path below a file, a name too long, a place inside a checkpoint), or the
+            source is not a complete, intact checkpoint with finite values (the checks of
+            ``--resume``).
     """
     from lab2_trainer.checkpoint.parts import MOMENTS, model_key, parameter_names, state_key
     from lab2_trainer.checkpoint.single_file import FORMAT as FILE_FORMAT
@@ -40,6 +50,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     folder = resolve(source)
     if folder.is_file():
         raise UsageError(f"{folder} is a single-file checkpoint already")
+    check_export_output(out, folder)
     verify(folder)
     small = load_trainer_state(folder)
     model = shape_model(ModelConfig.from_dict(small["model_config"]))
@@ -49,6 +60,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     keys += [k for n in names.values() for k in
              [state_key(n, m) for m in (*MOMENTS, "step")] if k in meta]
     flat = full_tensors(folder, keys)
+    bad = non_finite(flat)  # what --resume refuses is not exported either
+    if bad:
+        raise UsageError(f"checkpoint {folder} is unusable: {bad}")
     params = dict(model.named_parameters(remove_duplicate=False))
     model_state = {name: flat[model_key(names[id(p)])].view(p.shape)
                    for name, p in params.items()}
@@ -77,11 +91,47 @@ def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torc
     return [p for g in param_groups(model, decay) for p in g["params"]]
 
 
+def check_export_output(out: str | os.PathLike, folder: Path) -> Path:
+    """The export's output is a file that can be written (``--out``'s checks of a path:
+    absent or a regular file, below a writable folder, a name the system takes) and lies
+    outside every step folder, the source's above all (writing there would change a
+    checkpoint).
+
+    Raises:
+        UsageError: one line naming what is wrong; nothing was written.
+    """
+    from lab2_trainer.runtime.paths import check_output_file, shown
+
+    text = os.fspath(out)
+    if text.endswith(("/", os.sep)) or text.endswith((f"{os.sep}.", f"{os.sep}..")) \
+            or text in (".", ".."):
+        raise UsageError(f"export output {shown(text)} names a folder; export writes one "
+                         "file: name it (nothing was written)")
+    check_output_file(text, "export output", make_parents=True)
+    real = Path(os.path.realpath(Path(text).expanduser()))
+    inside = [a for a in real.parents
+              if a == Path(os.path.realpath(folder))
+              or (STEP_FOLDER.match(a.name) and os.path.lexists(a / MANIFEST))]
+    if inside:
+        raise UsageError(f"export output {shown(text)} is inside the checkpoint "
+                         f"{shown(inside[0])}: writing there would change it; choose a path "
+                         "outside (nothing was written)")
+    return real
+
+
 def write_export(source: str, out: str) -> int:
-    """``lab2-train export CKPT OUT``'s work; returns the exit code."""
-    if Path(out).is_dir():
-        raise UsageError(f"{out} is a folder; export writes one file")
-    folder = export(source, out)
+    """``lab2-train export CKPT OUT``'s work; returns the exit code (1, with one line, when
+    the machine refuses a read or the write: the output is written atomically, so nothing
+    is left of it)."""
+    import sys
+
+    try:
+        folder = export(source, out)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"lab2-train: error: export failed: {exc.strerror or exc}{where}; nothing was "
+              "written", file=sys.stderr, flush=True)
+        return 1
     print(f"lab2-train: exported {folder} to {out}")
     return 0
 

@@ -12,11 +12,21 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 * ``manifest.json``, written last and atomically by rank 0 once every rank's files are
   on disk: the size and CRC-32 of every other file. **A folder without a valid manifest
   is not a checkpoint** (an interrupted write, a ``kill -9``): :func:`newest_step` skips
-  it, and :func:`verify` refuses a folder whose files do not match it (missing,
-  truncated, corrupt).
+  it (:func:`incomplete_steps` says why), and :func:`verify` refuses a folder whose files
+  do not match it (missing, truncated, corrupt), or that holds a file a load would read
+  (``*.distcp``, ``*.metadata``, ``trainer.pt``) which the manifest does not list, or
+  whose ``.metadata`` points a load at a file the manifest does not list: every byte a
+  load reads is checked.
 
-What the ``.distcp`` files hold, and how, is :mod:`lab2_trainer.checkpoint.parts`; the export
-to one file is :mod:`lab2_trainer.checkpoint.export`.
+A step folder that is not a complete checkpoint is never overwritten or removed unsaid:
+:func:`step_folder_notes` sets it aside (``step-N.partial-<time>``,
+``step-N.unreadable-<time>``) or names it, before a run writes anything.
+
+Files are opened without blocking and read only when regular
+(:func:`lab2_trainer.runtime.paths.open_regular`): a FIFO or a device named like a
+checkpoint's file never holds a run. What the ``.distcp`` files hold, and how, is
+:mod:`lab2_trainer.checkpoint.parts`; the export to one file is
+:mod:`lab2_trainer.checkpoint.export`.
 """
 
 from __future__ import annotations
@@ -25,14 +35,17 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from lab2_trainer.checkpoint.parts import dcp_metadata, full_tensors, saved_tensors
 from lab2_trainer.config import UsageError
+from lab2_trainer.runtime.paths import file_kind, open_regular
 from lab2_trainer.runtime.run_folder import atomic_write_text
 
 CKPT_DIR = "ckpt"
@@ -41,6 +54,8 @@ TRAINER_STATE = "trainer.pt"
 FORMAT = "lab2-trainer-sharded-checkpoint"
 VERSION = 1
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+#: The largest manifest read (one is a few hundred bytes per file listed).
+MANIFEST_MAX_BYTES = 16 << 20
 
 
 def step_folder(root: str | os.PathLike, step: int) -> Path:
@@ -49,9 +64,9 @@ def step_folder(root: str | os.PathLike, step: int) -> Path:
 
 
 def file_crc(path: str | os.PathLike, block: int = 1 << 24) -> tuple[int, int]:
-    """(bytes, CRC-32) of a file, read in blocks."""
+    """(bytes, CRC-32) of a regular file, read in blocks (:func:`open_regular`)."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(block):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
@@ -73,24 +88,56 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     Raises:
         UsageError: none, unreadable, or not ours.
     """
-    path = folder / MANIFEST
-    if not path.is_file():
+    body, problem = _manifest(folder)
+    if problem is not None:
+        raise UsageError(f"checkpoint {folder} cannot be used: {problem}")
+    if body is None:
         raise UsageError(f"{folder} has no {MANIFEST}: not a complete checkpoint (an "
                          "interrupted write leaves none)")
+    return body
+
+
+def _manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the manifest, None), or (None, what is wrong with it), or (None, None) when there
+    is none (an interrupted write)."""
+    path = folder / MANIFEST
     try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
+        kind = file_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return None, f"its {MANIFEST} is a symbolic link to nothing"
+        return None, None
+    except OSError as exc:
+        return None, f"its {MANIFEST} cannot be examined ({exc.strerror or exc})"
+    if kind is not None:
+        return None, f"its {MANIFEST} is {kind}, not a regular file"
+    try:
+        with open_regular(path) as f:
+            data = f.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        return None, f"its {MANIFEST} cannot be read ({exc.strerror or exc})"
+    if len(data) > MANIFEST_MAX_BYTES:
+        return None, f"its {MANIFEST} is over {MANIFEST_MAX_BYTES:,} bytes"
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, f"its {MANIFEST} is not valid JSON: {exc}"
     files = body.get("files") if isinstance(body, dict) else None
     if (not isinstance(body, dict) or body.get("format") != FORMAT
             or not isinstance(files, dict)
             or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
                        and isinstance(v.get("crc32"), str) for v in files.values())):
-        raise UsageError(f"{path} is not a lab2-trainer checkpoint manifest")
+        return None, f"its {MANIFEST} is not a lab2-trainer checkpoint manifest"
     if body.get("version") != VERSION:
-        raise UsageError(f"{path} is manifest version {body.get('version')}; this trainer "
-                         f"reads {VERSION}")
-    return body
+        return None, (f"its {MANIFEST} is manifest version {body.get('version')}; this "
+                      f"trainer reads {VERSION}")
+    return body, None
+
+
+def read_by_load(name: str) -> bool:
+    """Whether a load may read the file ``name`` of a step folder: DCP's shards and
+    metadata, and the small state. Each must be listed in the manifest (and so checked)."""
+    return name.endswith((".distcp", ".metadata")) or name == TRAINER_STATE
 
 
 def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
@@ -101,7 +148,10 @@ def _file_problem(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
     if size != entry["bytes"]:
         return (f"file {name} is {'truncated' if size < entry['bytes'] else 'longer'} "
                 f"({size:,} bytes, the manifest says {entry['bytes']:,})")
-    _, crc = file_crc(path)
+    try:
+        _, crc = file_crc(path)
+    except OSError as exc:  # swapped for a FIFO since the check above, or unreadable
+        return f"file {name} cannot be read ({exc.strerror or exc})"
     if f"{crc:08x}" != entry["crc32"]:
         return f"file {name} does not match its checksum (crc32 {crc:08x}, saved {entry['crc32']})"
     return None
@@ -120,29 +170,148 @@ def verify(folder: Path) -> dict[str, Any]:
     for required in (TRAINER_STATE, ".metadata"):
         if required not in names:
             raise UsageError(f"checkpoint {folder} is damaged: its manifest lists no {required}")
+    # What the folder holds for a load to read is exactly what the manifest lists: a file
+    # it does not list would be read unchecked (any kind of file: a FIFO is named, never
+    # opened).
+    try:
+        present = sorted(e.name for e in os.scandir(folder) if read_by_load(e.name))
+    except OSError as exc:
+        raise UsageError(f"cannot list checkpoint {folder}: {exc.strerror or exc}") from None
+    unlisted = [n for n in present if n not in body["files"]]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise UsageError(f"checkpoint {folder} is damaged: file {unlisted[0]}{more} is not in "
+                         "its manifest, so a load would read it unchecked")
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
         problems = list(pool.map(lambda n: _file_problem(folder, n, body["files"][n]), names))
     for problem in problems:
         if problem:
             raise UsageError(f"checkpoint {folder} is damaged: {problem}")
+    # The files DCP opens are those its (now checked) metadata names.
+    storage = getattr(dcp_metadata(folder), "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UsageError(f"checkpoint {folder} is damaged: its .metadata says where no "
+                         "tensor is stored")
+    named = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()})
+    outside = [n for n in named if n not in body["files"]]
+    if outside:
+        raise UsageError(f"checkpoint {folder} is damaged: its .metadata reads tensors from "
+                         f"{outside[0]!r}, which its manifest does not list")
     return body
 
 
 def complete_steps(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every step folder under ``root`` with a readable manifest, oldest
     first (the files are not checked here: :func:`verify` does)."""
+    return sorted((step, folder) for step, folder in _step_folders(root)
+                  if _manifest(folder)[0] is not None)
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every folder named ``step-N`` under ``root``."""
     found = []
     if not root.is_dir():
         return found
     for entry in root.iterdir():
         match = STEP_FOLDER.match(entry.name)
-        if match and entry.is_dir() and (entry / MANIFEST).is_file():
-            try:
-                read_manifest(entry)
-            except UsageError:
-                continue
+        if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
-    return sorted(found)
+    return found
+
+
+class Incomplete(NamedTuple):
+    """A step folder that is not a complete checkpoint."""
+
+    step: int
+    folder: Path
+    why: str
+    """In words: an interrupted write, or what is wrong with its manifest."""
+    interrupted: bool
+    """It has no manifest: an interrupted write (a kill during a save). Otherwise its
+    manifest is there but unreadable, and its other files may well be intact."""
+
+
+def incomplete_steps(root: Path) -> list[Incomplete]:
+    """Every step folder under ``root`` that :func:`newest_step` skips, oldest first, with
+    why."""
+    found = []
+    for step, folder in sorted(_step_folders(root)):
+        body, problem = _manifest(folder)
+        if body is None:
+            found.append(Incomplete(step, folder, problem or f"an interrupted write: no "
+                                    f"{MANIFEST}", problem is None))
+    return found
+
+
+def set_aside(item: Incomplete) -> Path:
+    """Rename an incomplete step folder to ``step-N.partial-<time>`` (an interrupted write)
+    or ``step-N.unreadable-<time>`` beside it, a name no run reads or removes; returns the
+    new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{item.folder.name}.{'partial' if item.interrupted else 'unreadable'}-{stamp}"
+    target = item.folder.with_name(base)
+    n = 1
+    while os.path.lexists(target):
+        n += 1
+        target = item.folder.with_name(f"{base}-{n}")
+    os.rename(item.folder, target)
+    return target
+
+
+def step_folder_notes(settings) -> list[str]:
+    """Deal with the step folders that are not complete checkpoints (no valid manifest)
+    which this run meets, before it writes any; returns a line for each:
+
+    * in ``--out``'s ``ckpt/``, one whose manifest is there but unreadable (its shards may
+      be intact) is set aside as ``step-N.unreadable-<time>``, so that the run neither
+      overwrites it (a save of that step) nor removes it (``--keep-last``);
+    * there too, on a fresh start, an interrupted write's (no manifest) is set aside as
+      ``step-N.partial-<time>``;
+    * a resume names each one newer than its step, which it passed over (an interrupted
+      write there is replaced when the run saves that step again);
+
+    and one line when a resume from an older step in ``--out`` will replace newer complete
+    checkpoints there.
+
+    Raises:
+        UsageError: a folder cannot be renamed.
+    """
+    out_root = Path(settings.out) / CKPT_DIR
+    resumed = Path(settings.resume) if settings.resume is not None else None
+    match = STEP_FOLDER.match(resumed.name) if resumed is not None and resumed.is_dir() else None
+    same_root = match is not None and os.path.realpath(resumed.parent) == os.path.realpath(
+        out_root)
+    notes = []
+    if match is not None and not same_root:  # nothing is written there: named only
+        notes += [f"passed over {item.folder} ({item.why}); resuming from {resumed}"
+                  for item in incomplete_steps(resumed.parent) if item.step > int(match[1])]
+    for item in incomplete_steps(out_root):
+        passed = same_root and item.step > int(match[1])
+        if item.interrupted and resumed is not None:
+            if passed:
+                notes.append(f"passed over {item.folder} ({item.why}); resuming from {resumed}")
+            continue
+        try:
+            aside = set_aside(item)
+        except OSError as exc:
+            raise UsageError(f"cannot set aside {item.folder} ({item.why}): "
+                             f"{exc.strerror or exc}") from None
+        if passed:
+            notes.append(f"passed over {item.folder} ({item.why}); set it aside as "
+                         f"{aside.name}, so that this run does not overwrite it; resuming "
+                         f"from {resumed}")
+        elif item.interrupted:
+            notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}: no complete "
+                         "checkpoint there, so this run starts afresh")
+        else:
+            notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}, so that "
+                         "this run does not overwrite or remove it")
+    newer = [folder.name for n, folder in complete_steps(out_root)
+             if same_root and n > int(match[1])]
+    if newer:
+        notes.append(f"resuming from {resumed} while {out_root} holds newer checkpoints "
+                     f"({', '.join(newer)}): this run replaces each as it saves that step again")
+    return notes
 
 
 def newest_step(root: Path) -> Path | None:
@@ -176,8 +345,11 @@ def resolve(path: str | os.PathLike) -> Path:
         if is_checkpoint_root(root):
             newest = newest_step(root)
             if newest is None:
+                found = incomplete_steps(root)
+                last = f"; {found[-1].folder.name}: {found[-1].why}" if found else ""
                 raise UsageError(f"{root} holds no complete checkpoint (no step folder with "
-                                 f"a valid {MANIFEST})")
+                                 f"a valid {MANIFEST}{last}): a run there without --resume "
+                                 "starts afresh, setting it aside")
             return newest
     if (p / CHECKPOINT_NAME).is_file():
         return p / CHECKPOINT_NAME
@@ -185,11 +357,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def has_checkpoint(run: str | os.PathLike) -> bool:
-    """Whether a run folder holds a checkpoint (complete or not) of either format."""
+    """Whether a run folder holds a complete checkpoint of either format (step folders
+    without a valid manifest do not count: :func:`incomplete_steps`)."""
     from lab2_trainer.checkpoint.single_file import CHECKPOINT_NAME
 
     run = Path(run)
-    return (run / CHECKPOINT_NAME).exists() or is_checkpoint_root(run / CKPT_DIR)
+    return (run / CHECKPOINT_NAME).exists() or newest_step(run / CKPT_DIR) is not None
 
 
 def prune(root: Path, keep_last: int, newest: int) -> list[str]:
@@ -259,8 +432,6 @@ def load_trainer_state(folder: Path) -> dict[str, Any]:
 def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
     """The first floating tensor of a step folder holding NaN or infinity, described
     (None when all are finite). Read a few at a time (``budget`` bytes), never all."""
-    from lab2_trainer.checkpoint.parts import full_tensors, saved_tensors
-
     meta = saved_tensors(folder)
     batch: list[str] = []
     size = 0
@@ -271,12 +442,21 @@ def first_non_finite(folder: Path, budget: int = 1 << 28) -> str | None:
         size += int(md.size.numel()) * md.properties.dtype.itemsize
         if size < budget and i + 1 < len(keys):
             continue
-        for name, t in full_tensors(folder, batch).items():
-            if t.is_floating_point():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:
-                    return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
+        bad = non_finite(full_tensors(folder, batch))
+        if bad:
+            return bad
         batch, size = [], 0
+    return None
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first of ``tensors`` (by name) holding NaN or infinity, described."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                return f"tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''}"
     return None
 
 

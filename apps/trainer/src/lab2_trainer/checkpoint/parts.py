@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lab2_trainer.config import UsageError
+from lab2_trainer.runtime.paths import open_regular
 
 #: AdamW's per-parameter tensors of the parameter's size.
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -333,17 +334,27 @@ def _alone_is_meant(distributed: bool) -> Iterator[None]:
 
 
 
-# ------------------------------------------------------------------------- loading
 def saved_tensors(folder: Path) -> dict[str, Any]:
     """DCP's metadata of a step folder: each tensor's name -> its storage metadata.
 
     Raises:
         UsageError: the metadata cannot be read.
     """
+    return dict(dcp_metadata(folder).state_dict_metadata)
+
+
+def dcp_metadata(folder: Path) -> Any:
+    """DCP's ``Metadata`` of a step folder (its ``.metadata``, a regular file).
+
+    Raises:
+        UsageError: it cannot be read.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        return dict(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        with open_regular(folder / ".metadata"):  # never a FIFO's open
+            pass
+        return FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot read checkpoint {folder}/.metadata: {reason}") from None

@@ -33,6 +33,7 @@ floating-point tensor of the model and of the optimizer state must be finite
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -123,6 +124,11 @@ SHARDED_REQUIRED_KEYS = tuple(k for k in REQUIRED_KEYS if k not in ("model", "op
 def read_sealed(p: Path, *, shards: bool = False) -> dict[str, Any]:
     """Read and check a sealed file: a single-file checkpoint, or with ``shards`` the
     ``trainer.pt`` of a sharded one (see :mod:`lab2_trainer.checkpoint.folders`)."""
+    head = _head(p)
+    if not head.startswith(TORCH_SAVE_STARTS):
+        what = "it is empty" if not head else f"it starts with {head!r}"
+        raise UsageError(f"cannot read checkpoint {p}: not a lab2-trainer checkpoint ({what}; "
+                         "torch.save writes a zip archive)")
     try:
         with warnings.catch_warnings():
             # torch warns about what it is about to refuse (a plain pickle's protocol):
@@ -156,6 +162,27 @@ def read_sealed(p: Path, *, shards: bool = False) -> dict[str, Any]:
     if bad:
         raise UsageError(f"checkpoint {p} is unusable: {bad}")
     return ckpt
+
+
+#: How a file ``torch.save`` wrote starts: a zip archive's first record, or (the legacy
+#: format, and plain pickles, which the load then names) a pickle's protocol opcode.
+TORCH_SAVE_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def _head(p: Path) -> bytes:
+    """The first 4 bytes of the regular file ``p`` (opened without blocking)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise UsageError(f"cannot read checkpoint {p}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"cannot read checkpoint {p}: not a regular file")
+        return os.read(fd, 4)
+    except OSError as exc:
+        raise UsageError(f"cannot read checkpoint {p}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- integrity

@@ -5,7 +5,8 @@ for the copy of this rank's parts (:mod:`lab2_trainer.checkpoint.parts`) into CP
 memory (pinned on CUDA, made a slice per step between steps, :meth:`Checkpointer.make_buffers`,
 and reused); the write then runs on a background thread, while the next steps train:
 
-1. ``torch.distributed.checkpoint.save`` of the copies into ``<out>/ckpt/step-N/``, its
+1. ``torch.distributed.checkpoint.save`` of the copies into ``<out>/ckpt/step-N/``
+   (emptied first by rank 0: a step saved again keeps nothing of an earlier write), its
    collectives on a Gloo process group of its own (never the training group, whose
    collectives the main thread issues meanwhile), each rank writing up to ``threads``
    files with as many threads (one per :data:`BYTES_PER_THREAD` of its part): one thread
@@ -23,7 +24,10 @@ foreground.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import stat
 import sys
 import threading
 import time
@@ -141,7 +145,8 @@ class Checkpointer:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Rewriting a step (a resume from an earlier one): not a checkpoint meanwhile.
-            (folder / MANIFEST).unlink(missing_ok=True)
+            with contextlib.suppress(IsADirectoryError):  # emptied with the rest (_write)
+                (folder / MANIFEST).unlink(missing_ok=True)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._write_reporting,
                                             args=(folder, staged, trainer_state, step),
@@ -199,17 +204,23 @@ class Checkpointer:
                step: int) -> None:
         from torch.distributed.checkpoint import FileSystemWriter
 
-        folder.mkdir(parents=True, exist_ok=True)
-        # A step written again (a resume from an earlier one, or after an interrupted
-        # write): its old metadata goes first, on every rank. Safe: the new one is written
-        # by rank 0 only after every rank has planned.
-        (folder / ".metadata").unlink(missing_ok=True)
+        if self.rank == 0:
+            # A step written again (a resume from an earlier one, or after an interrupted
+            # write) starts from an empty folder: nothing of the earlier write (a partial
+            # shard of another world size, a FIFO) is listed in the new manifest or opened.
+            # Safe: no rank writes before rank 0 has joined DCP's planning, after this.
+            empty_folder(folder)
+        else:
+            with contextlib.suppress(OSError):  # else DCP's own mkdir fails, on every rank
+                folder.mkdir(parents=True, exist_ok=True)
         nbytes = sum(p.data.numel() * p.data.element_size() for p in staged)
         threads = max(1, min(self.threads, nbytes // BYTES_PER_THREAD))
         writer = FileSystemWriter(str(folder), thread_count=threads, sync_files=True)
         write_parts(staged, writer, self.group)
         # The files of this step, from the folder itself: the metadata DCP returns does not
         # list them on every torch (its storage_data is None on some releases).
+        # (Only what DCP wrote: rank 0 emptied the folder first; file_crc opens regular
+        # files only.)
         names = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
         if self.rank == 0:
             names.append(".metadata")
@@ -264,3 +275,22 @@ class Checkpointer:
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def empty_folder(folder: Path) -> None:
+    """Make ``folder`` an empty folder: what it holds is removed (links, FIFOs and devices
+    are unlinked, never opened nor followed); a file or a link in its place is replaced."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        folder.mkdir(parents=True, exist_ok=True)
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        folder.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+        return
+    for entry in os.scandir(folder):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)

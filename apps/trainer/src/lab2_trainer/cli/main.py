@@ -25,6 +25,7 @@ from lab2_trainer.config import (
     ModelConfig,
     TrainSettings,
     UsageError,
+    default_layout,
     flag,
     from_toml,
     model_config,
@@ -154,9 +155,13 @@ def _torchrun_world() -> int | None:
 
 
 def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: str,
-                     torchrun_world: int | None = None):
+                     torchrun_world: int | None = None, notes: list[str] | None = None):
     """Turn the settings given (:func:`given_settings`) and a checkpoint, when resuming,
     into resolved, checked settings for ``device_type``.
+
+    Args:
+        notes: where to add what the run should say before it starts (a resumed run whose
+            sharding or DDP kind is chosen afresh for a new rank layout).
 
     Returns:
         (settings, corpus) with the corpus loaded once here, which also checks the data
@@ -237,6 +242,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if ckpt is not None and notes is not None:
+        notes += layout_notes(saved, settings, explicit, path)
     check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
     if settings.compile:
@@ -290,6 +297,22 @@ def refuse_math_changes(saved: TrainSettings, explicit: dict[str, Any], path: Pa
                              f"{getattr(saved, name)!r}, which its optimizer state keeps: a "
                              f"resumed run cannot change it to {explicit[name]!r} (drop "
                              f"{flag(name)})")
+
+
+def layout_notes(saved: TrainSettings, settings: TrainSettings, explicit: dict[str, Any],
+                 path: Path) -> list[str]:
+    """One line when a resumed run's sharding or DDP kind, not given, differs from its
+    checkpoint's, which was not the default there: a new rank layout is resolved afresh
+    (:func:`resumed_settings`), with the defaults of its number of ranks."""
+    changed = [n for n in ("sharding", "ddp")
+               if n not in explicit and getattr(settings, n) != getattr(saved, n)]
+    if not changed or (saved.sharding, saved.ddp) == default_layout(saved.nproc, None, None):
+        return []
+    was = " ".join(f"{flag(n)} {getattr(saved, n)}" for n in ("sharding", "ddp"))
+    now = " ".join(f"{flag(n)} {getattr(settings, n)}" for n in ("sharding", "ddp"))
+    keep = " ".join(f"{flag(n)} {getattr(saved, n)}" for n in changed)
+    return [f"{path} was saved by {saved.nproc} rank(s) with {was}; on {settings.nproc} "
+            f"rank(s) the layout is chosen afresh: {now} (pass {keep} to keep it)"]
 
 
 def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type: str,
@@ -349,19 +372,22 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM takes the same orderly path as Ctrl-C, here and in the ranks.
     previous = supervise.install_termination_handler()
     claim = settings = None
+    notes: list[str] = []
     try:
         try:
             given = given_settings(args)
             device_type = launch.resolve_device_type(given[0].get("device", "auto"))
             torchrun_world = _torchrun_world()
             under_torchrun = torchrun_world is not None
-            settings, _ = resolve_settings(given, device_type, torchrun_world)
+            settings, _ = resolve_settings(given, device_type, torchrun_world, notes)
             # A resumed run keeps its checkpoint's --device unless one is given.
             device_type = settings.device_type
             world_size, timeout_s = settings.nproc, settings.timeout
             if not under_torchrun or int(os.environ["RANK"]) == 0:
                 claim = _claim_out(settings)
                 _write_settings(settings)
+                for note in notes:
+                    print(f"lab2-train: note: {note}", file=sys.stderr, flush=True)
         except UsageError as exc:
             return _error(str(exc))
         if under_torchrun:
@@ -431,7 +457,7 @@ def _claim_out(settings):
     """Claim ``--out`` for this run (refused while another live run holds it), then remove
     the temporary files interrupted checkpoint writes left there and beside the checkpoint
     resumed from."""
-    from lab2_trainer.checkpoint.folders import has_checkpoint
+    from lab2_trainer.checkpoint.folders import has_checkpoint, step_folder_notes
     from lab2_trainer.runtime.run_folder import (
         LOCK_NAME,
         claim_folder,
@@ -450,6 +476,7 @@ def _claim_out(settings):
             source = Path(settings.resume).parent
             if source.resolve() != Path(settings.out).resolve() and not folder_is_claimed(source):
                 removed += clean_stale_temporaries(source, only_dead_writers=True)
+        incomplete = step_folder_notes(settings)
     except BaseException:
         claim.release()
         raise
@@ -463,6 +490,8 @@ def _claim_out(settings):
     if removed:
         print(f"lab2-train: note: removed {len(removed)} temporary file(s) left by interrupted "
               f"writes: {', '.join(removed)}", file=sys.stderr, flush=True)
+    for note in incomplete:
+        print(f"lab2-train: note: {note}", file=sys.stderr, flush=True)
     return claim
 
 
@@ -515,9 +544,10 @@ def _run_single(settings, device_type: str, timeout_s: float | None = None) -> i
     except UsageError as exc:
         return _error(str(exc))
     except Exception as exc:  # a refused write (a full disk) is one line, not a traceback
+        from lab2_trainer.config import Diverged
         from lab2_trainer.runtime.run_folder import WriteFailed, write_failure
 
-        line = str(exc) if isinstance(exc, WriteFailed) else write_failure(exc)
+        line = str(exc) if isinstance(exc, (WriteFailed, Diverged)) else write_failure(exc)
         if line is None:
             raise
         print(f"lab2-train: error: {line}", file=sys.stderr, flush=True)

@@ -182,6 +182,14 @@ def draw(rows: list[dict[str, Any]], path: str, title: str, gpu_memory_gib: floa
         plt.close(fig)
 
 
+def count_text(n: float) -> str:
+    """A count with its unit: ``1.97 B``, ``6.48 M``, ``3.2 K``, or the number itself."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
 def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -189,7 +197,7 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
     console = Console(highlight=False)
     m = result["model"]
     mem, t = result["memory_bytes"], result["time"]
-    title = (f"lab2-train plan: {result['parameters'] / 1e9:,.2f} B parameters (d_model "
+    title = (f"lab2-train plan: {count_text(result['parameters'])} parameters (d_model "
              f"{m['d_model']}, {m['n_layers']} layers, d_ff {m['d_ff']}, vocab "
              f"{m['vocab_size']}, context {m['context_length']}), {result['world_size']} GPU(s) "
              f"= {result['gpus_per_node']} x {result['nodes']} node(s), batch "

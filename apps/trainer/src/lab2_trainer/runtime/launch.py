@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.config import EXIT_BAD_INPUT, UsageError
+from lab2_trainer.config import EXIT_BAD_INPUT, Diverged, UsageError
 from lab2_trainer.runtime.run_folder import WriteFailed, write_failure
 from lab2_trainer.runtime.supervise import (
     FAILED,
@@ -197,6 +197,10 @@ def run_rank(fn: Callable[..., Any], args: tuple, device_type: str, timeout_s: f
             if folder is None:
                 _say(f"rank {rank} stopped: another rank closed its connection "
                      "mid-collective")
+        elif isinstance(exc, Diverged):  # every rank at the same step: rank 0 says it
+            guard.mark(FAILED)
+            if rank == 0:
+                print(f"lab2-train: error: {exc}", file=sys.stderr, flush=True)
         elif isinstance(exc, WriteFailed):  # a save of every rank failed: rank 0 says it
             guard.mark(FAILED)
             if rank == 0:

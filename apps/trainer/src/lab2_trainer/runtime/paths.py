@@ -18,9 +18,10 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lab2_trainer.config import UsageError
+from lab2sys.files import NotARegularFile
 
 #: The longest file name and path Linux takes (NAME_MAX, PATH_MAX): a longer one fails
 #: with ENAMETOOLONG wherever it is used.
@@ -38,7 +39,7 @@ def shown(path: Any, limit: int = 80) -> str:
     return f"{text[: limit // 2]!r}... ({len(text):,} characters)"
 
 
-def _kind(mode: int) -> str | None:
+def file_kind(mode: int) -> str | None:
     """What a non-regular file is, in words (None: a regular file)."""
     for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -111,7 +112,7 @@ def check_input_path(path: str | os.PathLike, what: str, *, folder: bool = True,
             raise UsageError(f"{what} {shown(path)}: a symbolic link to "
                              f"{shown(os.readlink(p))}, which does not exist")
         raise UsageError(f"{what} {shown(path)}: {missing}")
-    kind = _kind(st.st_mode)
+    kind = file_kind(st.st_mode)
     if kind is None or (folder and stat.S_ISDIR(st.st_mode)):
         return p
     expected = "a regular file or a folder" if folder else "a regular file"
@@ -135,7 +136,7 @@ def read_bounded_text(path: str | os.PathLike, what: str,
             from None
     try:
         st = os.fstat(fd)
-        kind = _kind(st.st_mode)
+        kind = file_kind(st.st_mode)
         if kind is not None:
             raise UsageError(f"{what} {shown(path)} is {kind}, not a regular file (nothing was "
                              "read)")
@@ -158,9 +159,11 @@ def read_bounded_text(path: str | os.PathLike, what: str,
         raise UsageError(f"{what} {shown(path)}: not UTF-8 text ({exc})") from None
 
 
-def check_output_file(path: str | os.PathLike, what: str) -> Path:
-    """An output file's ``path`` is absent or a regular file, in an existing folder: a
-    folder, a device, a FIFO or a socket there is never replaced.
+def check_output_file(path: str | os.PathLike, what: str, *,
+                      make_parents: bool = False) -> Path:
+    """An output file's ``path`` is absent or a regular file, in an existing folder (with
+    ``make_parents``, in a folder that can be made: its nearest existing ancestor is a
+    writable folder): a folder, a device, a FIFO or a socket there is never replaced.
 
     Raises:
         UsageError: one line naming the flag and what is in the way.
@@ -169,11 +172,14 @@ def check_output_file(path: str | os.PathLike, what: str) -> Path:
     if str(path) == "":
         raise UsageError(f"{what} is empty: name a file")
     st = _stat(p, what)
-    if st is not None and _kind(st.st_mode) is not None:
-        raise UsageError(f"{what} {shown(path)} is {_kind(st.st_mode)}: only a new or a "
+    if st is not None and file_kind(st.st_mode) is not None:
+        raise UsageError(f"{what} {shown(path)} is {file_kind(st.st_mode)}: only a new or a "
                          "regular file is written (nothing was written)")
     parent = p.parent
     pst = _stat(parent, what)
+    while make_parents and pst is None and parent.parent != parent:
+        parent = parent.parent  # made by the write; what is above must be a folder
+        pst = _stat(parent, what)
     if pst is None or not stat.S_ISDIR(pst.st_mode):
         raise UsageError(f"{what} {shown(path)}: {shown(parent)} is not a folder (nothing was "
                          "written)")
@@ -209,7 +215,7 @@ def check_out_path(out: str) -> None:
     if st is not None:
         for name in RUN_FILES + RUN_FOLDERS:
             found = _stat(p / name, "--out")
-            kind = found is not None and _kind(found.st_mode)
+            kind = found is not None and file_kind(found.st_mode)
             if name in RUN_FOLDERS and found is not None and not stat.S_ISDIR(found.st_mode):
                 raise UsageError(f"--out {shown(out)}: {name} there is "
                                  f"{kind or 'a regular file'}, not the folder a run keeps its "
@@ -231,3 +237,20 @@ def check_out_path(out: str) -> None:
                          "written)")
 
 
+def open_regular(path: str | os.PathLike) -> IO[bytes]:
+    """``path`` opened for reading without blocking (a FIFO's open would wait for a writer
+    forever), and only when it is a regular file.
+
+    Raises:
+        NotARegularFile: it is a FIFO, a device, a socket or a folder.
+        OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(errno.EINVAL, f"{path} is not a regular file; never read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

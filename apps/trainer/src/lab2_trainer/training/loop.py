@@ -27,6 +27,7 @@ from lab2_trainer.checkpoint.parts import load_folder
 from lab2_trainer.checkpoint.single_file import load_checkpoint, set_rng_state
 from lab2_trainer.checkpoint.writer import Checkpointer
 from lab2_trainer.config import (
+    Diverged,
     TrainSettings,
     UsageError,
     flag,
@@ -294,8 +295,10 @@ class Trainer:
                 records[-1]["wall_clock"] = clock.split(first_step_s, steady_step(windows))
                 for record in records:
                     if not math.isfinite(record["loss"]) and self.scaler is None:
-                        raise RuntimeError(f"loss became {record['loss']} at step "
-                                           f"{record['step']}; lower --lr")
+                        # The same averaged loss on every rank: rank 0 alone says it.
+                        raise Diverged(f"the loss became {record['loss']} at step "
+                                       f"{record['step']} (the run diverged): lower --lr "
+                                       f"(it is {s.lr:g})")
                 # A save that finds the previous write done starts now: it stalls for the
                 # copy to CPU memory only, and its write overlaps the evaluation. One that
                 # would wait for the previous write (or a write that hangs) comes after the
