@@ -412,6 +412,15 @@ class TrainSettings:
     sharded too, each block a unit gathered with prefetch, zero1.Stage3Optimizer over the
     shards), fsdp (PyTorch's FSDP2 fully_shard on every block and the root, plain AdamW
     over the sharded parameters), or none."""
+    tp: int = setting(1, group="parallelism", metavar="N")
+    """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
+    and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
+    are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
+    data-parallel ranks. 1: none."""
+    sequence_parallel: bool = setting(False, group="parallelism")
+    """With --tp > 1: the norms and the residual stream work on each rank's slice of the
+    sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
+    the same bytes, 1/tp of the activations outside the matrix products)."""
     reshard_after_forward: bool = setting(True, group="parallelism")
     """--sharding zero3 and fsdp: free each block's gathered parameters after its forward
     and gather them again for backward (FSDP2's default); off keeps them to the block's
@@ -519,6 +528,7 @@ class TrainSettings:
         _number(flag("bucket_mb"), self.bucket_mb, lambda v: v > 0, "> 0")
         _one_of(flag("bucket_rule"), self.bucket_rule, BUCKET_RULES)
         _one_of(flag("sharding"), self.sharding, SHARDING_KINDS)
+        _integer(flag("tp"), self.tp, 1)
         _number(flag("timeout"), self.timeout, lambda v: 0 < v <= MAX_SECONDS,
                 f"> 0 and at most {MAX_SECONDS:,.0f} (a year)")
         for name in ("ckpt_every", "eval_every", "keep_last"):
@@ -562,11 +572,33 @@ class TrainSettings:
             raise ValueError(f"--sharding {self.sharding} needs a --ddp variant")
         if self.ddp == "none" and world_size > 1 and self.sharding not in SELF_REDUCING:
             raise ValueError(f"--ddp none cannot average gradients over {world_size} ranks")
+        self.check_tp(world_size)
         if self.vocab_size is not None and self.vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the model's {self.model.vocab_size}"
             )
         return self
+
+    def check_tp(self, world_size: int) -> None:
+        """``--tp`` divides the ranks and every dimension it splits; ``ValueError`` with one
+        line naming the first that it does not."""
+        tp, m = self.tp, self.model
+        if tp == 1:
+            if self.sequence_parallel:
+                raise ValueError("--sequence-parallel splits the sequence over --tp ranks: "
+                                 "give --tp > 1")
+            return
+        if world_size % tp:
+            raise ValueError(f"--tp {tp} does not divide the {world_size} ranks (the ranks are "
+                             "data-parallel x tensor-parallel)")
+        for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff),
+                           ("vocab_size", m.vocab_size)):
+            if size % tp:
+                raise ValueError(f"--tp {tp} does not divide {flag(name)} {size}: each "
+                                 "tensor-parallel rank holds an equal part")
+        if self.sequence_parallel and m.context_length % tp:
+            raise ValueError(f"--sequence-parallel needs --tp {tp} to divide "
+                             f"{flag('context_length')} {m.context_length}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""
