@@ -43,7 +43,7 @@ def block_rank(rank: int, world: int) -> dict:
         yr = full(xr)
         (yr * grad_y).sum().backward()
 
-        def local(t):
+        def local(t, sp=sp):
             return tp_models.seq_slice(t, rank, world) if sp else t
 
         xs = local(x).clone().requires_grad_()
