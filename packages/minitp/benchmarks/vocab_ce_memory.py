@@ -74,33 +74,35 @@ def peak_bytes(fn, device: torch.device) -> tuple[int, object]:
     return peak, result
 
 
+def measure_vocab(vocab: int, rank: int, world: int, spec: dict,
+                  device: torch.device) -> dict:
+    """Each loss's value and this rank's peak bytes at one vocabulary."""
+    # Each rank draws its own slice (never the whole logits); the targets are shared.
+    gen = torch.Generator(device=device).manual_seed(vocab)
+    targets = torch.randint(0, vocab, (spec["tokens"],), generator=gen, device=device)
+    gen.manual_seed(vocab + 1 + rank)
+    local = torch.randn(spec["tokens"], vocab // world, generator=gen, device=device,
+                        dtype=DTYPES[spec["dtype"]]).requires_grad_()
+    losses = {"vocab-parallel": lambda: vocab_parallel_cross_entropy(local, targets),
+              "gathered": lambda: F.cross_entropy(gather_from_region(local), targets)}
+    row: dict = {"vocab": vocab}
+    for name, loss_fn in losses.items():
+
+        def forward_backward(loss_fn=loss_fn) -> float:
+            loss = loss_fn()
+            loss.backward()
+            local.grad = None
+            return loss.item()
+
+        row[f"{name} peak"], row[name] = peak_bytes(forward_backward, device)
+    return row
+
+
 def bench_rank(rank: int, world: int, spec: dict) -> list[dict]:
     """One rank: per vocabulary, each loss's value and peak bytes (the largest rank's)."""
-    cuda = spec["device"] == "cuda"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = DTYPES[spec["dtype"]]
-    out = []
-    for vocab in spec["vocabs"]:
-        # Each rank draws its own slice (never the whole logits); the targets are shared.
-        gen = torch.Generator(device=device).manual_seed(vocab)
-        targets = torch.randint(0, vocab, (spec["tokens"],), generator=gen, device=device)
-        gen.manual_seed(vocab + 1 + rank)
-        local = torch.randn(spec["tokens"], vocab // world, generator=gen, device=device,
-                            dtype=dtype).requires_grad_()
-        losses = {"vocab-parallel": lambda: vocab_parallel_cross_entropy(local, targets),
-                  "gathered": lambda: F.cross_entropy(gather_from_region(local), targets)}
-        row: dict = {"vocab": vocab}
-        for name, loss_fn in losses.items():
-
-            def forward_backward(loss_fn=loss_fn) -> float:
-                loss = loss_fn()
-                loss.backward()
-                local.grad = None
-                return loss.item()
-
-            row[f"{name} peak"], row[name] = peak_bytes(forward_backward, device)
-        out.append(row)
-        del local, targets, losses
+    device = torch.device("cuda", torch.cuda.current_device()) if spec["device"] == "cuda" \
+        else torch.device("cpu")
+    out = [measure_vocab(vocab, rank, world, spec, device) for vocab in spec["vocabs"]]
     on = device if dist.get_backend() == "nccl" else "cpu"
     for row in out:
         for key in [k for k in row if k.endswith("peak")]:

@@ -41,7 +41,7 @@ def test_vocab_ce_memory_quick():
     out = _run("vocab_ce_memory.py", "--quick")
     rows = _table(out)
     assert [r[0] for r in rows] == ["32768", "65536", "131072"]
-    for vocab, measured, analytic, gathered, gathered_analytic, _ in rows:
+    for _, measured, analytic, gathered, gathered_analytic, _ratio in rows:
         assert measured == analytic, rows
         # The gathered path may measure the all-gather's buffers too (N·V·s·(1 + 1/tp)),
         # when the backend frees a finished collective late.
