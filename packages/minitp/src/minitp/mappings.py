@@ -5,17 +5,17 @@ rank of the group" to "one part per rank", or back, the ranks must talk, and wha
 does there fixes what backward must do: backward runs the adjoint of forward's map. Each
 function below is one such pair, on a given process group:
 
-============================  ======================  ======================
-function                      forward                 backward
-============================  ======================  ======================
-``copy_to_region``            identity                all-reduce
-``reduce_from_region``        all-reduce              identity
-``split_to_region``           keep this rank's slice  all-gather
-``gather_from_region``        all-gather              keep this rank's slice
-``split_to_sequence``         keep this rank's slice  all-gather
-``gather_from_sequence``      all-gather              reduce-scatter
-``reduce_scatter_to_sequence`` reduce-scatter         all-gather
-============================  ======================  ======================
+==============================  ======================  ======================
+function                        forward                 backward
+==============================  ======================  ======================
+``copy_to_region``              identity                all-reduce
+``reduce_from_region``          all-reduce              identity
+``split_to_region``             keep this rank's slice  all-gather
+``gather_from_region``          all-gather              keep this rank's slice
+``split_to_sequence``           keep this rank's slice  all-gather
+``gather_from_sequence``        all-gather              reduce-scatter
+``reduce_scatter_to_sequence``  reduce-scatter          all-gather
+==============================  ======================  ======================
 
 Why: a tensor copied to every rank feeds a different shard of the computation on each, so
 its gradient is the sum of the ranks' gradients (copy's adjoint is an all-reduce); a sum
