@@ -24,7 +24,7 @@ nox.options.sessions = ["lint", "build", "triton-interpret", "tests", "tests-hf"
 # sources again, which costs 10-20 s per process on a small CI machine.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-MEMBERS = ("tritonnorm", "minddp", "zero1", "lab2bench", "lab2sys", "lab2-trainer")
+MEMBERS = ("tritonnorm", "minddp", "zero1", "minitp", "lab2bench", "lab2sys", "lab2-trainer")
 WORLD_SIZES = [1, 2, 3, 4]
 
 
@@ -67,12 +67,13 @@ TRANSFORMERS = "transformers>=4.57,<5.25"
 
 @nox.session(name="tests-hf")
 def tests_hf(session: nox.Session) -> None:
-    """tritonnorm's drop-in on tiny Hugging Face models (built from their configs, nothing
-    downloaded), the swapped norms on the Triton kernels under the interpreter."""
+    """tritonnorm's drop-in and minitp's Llama plan on tiny Hugging Face models (built from
+    their configs, nothing downloaded): the swapped norms on the Triton kernels under the
+    interpreter, the sharded Llama on two Gloo ranks."""
     _sync(session)
     session.install(TRANSFORMERS)
     _pytest(session, "-m", "hf", "-p", "no:cacheprovider", "packages/tritonnorm/tests/hf",
-            TRITON_INTERPRET="1")
+            "packages/minitp/tests/hf", TRITON_INTERPRET="1")
 
 
 @nox.session(name="tests-gloo")
