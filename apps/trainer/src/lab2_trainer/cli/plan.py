@@ -29,6 +29,7 @@ from lab2_trainer.config import (
     UsageError,
     model_config,
 )
+from lab2_trainer.planner.layout import recommend
 from lab2_trainer.planner.plan import GIB, Hardware, PlanInput, plan
 from lab2_trainer.runtime.paths import check_output_file, shown
 
@@ -37,7 +38,7 @@ SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS_PER_NODE = 8
 #: The settings of ``lab2-train`` that change a plan: their flags, defaults and docs.
 RUN_SETTINGS = ("grad_accum", "precision", "sharding", "ddp", "activation_checkpointing",
-                "compile", "reshard_after_forward", "bucket_mb")
+                "compile", "reshard_after_forward", "bucket_mb", "tp", "sequence_parallel")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     out = groups["output"]
     out.add_argument("--compare", action="store_true",
                      help="also a row for every sharding kind x checkpointing kind")
+    out.add_argument("--recommend", action="store_true",
+                     help="also weigh every layout of these GPUs (--tp and --sequence-parallel, "
+                     "sharding kind, checkpointing, the fewest micro-batches that fit) for this "
+                     "model and global batch, and name the fastest that fits, with why")
     out.add_argument("--json", action="store_true", help="print the plan as JSON only")
     out.add_argument("--plot", metavar="FILE.png", default=None,
                      help="also draw step time and peak memory against the GPU count (1 to "
@@ -102,11 +107,13 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
     run = {name: _given(args, TrainSettings, name) for name in RUN_SETTINGS}
     if run["grad_accum"] < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {run['grad_accum']}")
-    world = args.gpus_per_node * args.nodes
+    if run["tp"] < 1:
+        raise ValueError(f"--tp must be >= 1, got {run['tp']}")
+    dp = max(1, args.gpus_per_node * args.nodes // run["tp"])
     if args.per_rank_batch is not None:
         if args.per_rank_batch < 1:
             raise ValueError(f"--per-rank-batch must be >= 1, got {args.per_rank_batch}")
-        batch = args.per_rank_batch * world * run["grad_accum"]
+        batch = args.per_rank_batch * dp * run["grad_accum"]
     else:
         batch = _given(args, TrainSettings, "batch_size")
     hardware = Hardware(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Hardware)
@@ -301,10 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(p)
         rows = compare_rows(p) if args.compare else None
         scaling = scaling_rows(p) if args.plot else None
+        advice = recommend(p) if args.recommend else None
     except (ValueError, UsageError) as exc:
         return _refuse(str(exc))
     if rows is not None:
         result["compare"] = rows
+    if advice is not None:
+        result["recommendation"] = {k: advice[k] for k in ("best", "flags", "why", "by_tp")}
     if scaling is not None:
         result["scaling"] = scaling
         m = result["model"]
@@ -320,4 +330,34 @@ def main(argv: list[str] | None = None) -> int:
         print(strict_json(result))
     else:
         render(result, rows)
+        if advice is not None:
+            render_recommendation(result, advice)
     return 0
+
+
+def render_recommendation(result: dict[str, Any], advice: dict[str, Any]) -> None:
+    """The fastest layout of :func:`lab2_trainer.planner.layout.recommend`, why, and the
+    best of each tensor-parallel size."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    if advice["best"] is None:
+        console.print(f"[red]recommendation:[/red] {advice['why'][0]}")
+        return
+    table = Table(title=f"the fastest layout of each tensor-parallel size on "
+                  f"{result['world_size']} GPU(s), batch {result['batch_size']} (prediction)",
+                  title_justify="left")
+    for col in ("tp x dp", "seq. parallel", "sharding", "checkpointing", "micro-batches",
+                "peak GiB", "step ms", "exposed comm. ms", "MFU"):
+        table.add_column(col, justify="left" if col in ("sharding", "checkpointing")
+                         else "right")
+    for r in advice["by_tp"]:
+        table.add_row(f"{r['tp']} x {r['dp']}", "yes" if r["sequence_parallel"] else "no",
+                      r["sharding"], r["activation_checkpointing"], str(r["grad_accum"]),
+                      f"{r['peak_gib']:,.1f}", f"{r['step_s'] * 1e3:,.0f}",
+                      f"{r['exposed_communication_s'] * 1e3:,.0f}", f"{r['mfu']:.1%}")
+    console.print(table)
+    console.print(f"[bold]recommended:[/bold] {advice['flags']}")
+    for line in advice["why"]:
+        console.print(f"  - {line}")

@@ -46,6 +46,20 @@ bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
 block's. The exposed part is reported.
 
+**Tensor parallelism** (``tp`` > 1, minitp's layers): the ranks are dp x tp, the tp ranks
+of a group within one node. Each rank holds 1/tp of every block matrix, of the token table
+and of the head (:func:`local_counts`; the position table and the norms whole), and the
+sharding kind shards that over the dp ranks. Activations: attention's and the
+feed-forward's inner tensors are 1/tp; the residual stream and the norms are whole per
+token, or 1/tp under sequence parallelism, which keeps the two gathered inputs of the
+column layers whole instead; the loss keeps 1/tp of the vocabulary. Step time: 1/tp of the
+rank's dp group's FLOPs; per block and micro-batch two collectives of ``tokens x d`` in the
+autocast dtype forward (the row layers' all-reduces, exposed) and two backward (the column
+layers' input gradients, which hide behind those layers' weight-gradient products), plus
+one each for the embedding and the head; all-reduces, or under sequence parallelism
+all-gathers and reduce-scatters of the same ring volume. These are predictions: no
+multi-GPU run has checked them yet.
+
 A checkpoint (:func:`lab2_trainer.models.shapes.checkpoint_bytes`): its size, and the CPU memory
 each rank stages its part in; no rank gathers a full copy.
 """
@@ -128,6 +142,8 @@ class PlanInput:
         compile: whether the model is compiled (what the backward keeps differs).
         reshard_after_forward: zero3's and fsdp's.
         bucket_mb: the gradient buckets (DDPBucketed, zero1, zero2), MiB.
+        tp: tensor-parallel ranks (within a node); the sharding acts over world / tp.
+        sequence_parallel: with ``tp`` > 1, norms and residual stream on a sequence slice.
     """
 
     model: ModelConfig
@@ -142,6 +158,8 @@ class PlanInput:
     compile: bool = True
     reshard_after_forward: bool = True
     bucket_mb: float = 25.0
+    tp: int = 1
+    sequence_parallel: bool = False
     hardware: Hardware = field(default_factory=Hardware)
 
     @property
@@ -149,8 +167,15 @@ class PlanInput:
         return self.gpus_per_node * self.nodes
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the ranks the sharding kind shards over."""
+        return self.world_size // self.tp
+
+    @property
     def micro_batch(self) -> int:
-        return self.batch_size // self.world_size // self.grad_accum
+        """Sequences per data-parallel rank and micro-batch (every tp rank of a group runs
+        the same ones)."""
+        return self.batch_size // self.dp // self.grad_accum
 
     def validate(self) -> PlanInput:
         """Resolve the default sharding and check every field: ``ValueError`` with one
@@ -164,7 +189,8 @@ class PlanInput:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got "
                              f"{self.precision!r}")
-        self.sharding, self.ddp = default_layout(self.world_size, self.sharding, self.ddp)
+        self._check_tp()
+        self.sharding, self.ddp = default_layout(self.dp, self.sharding, self.ddp)
         if self.sharding not in SHARDING_KINDS:
             raise ValueError(f"--sharding must be one of {', '.join(SHARDING_KINDS)}; got "
                              f"{self.sharding!r}")
@@ -177,10 +203,11 @@ class PlanInput:
             raise ValueError("--activation-checkpointing must be one of "
                              f"{', '.join(ACTIVATION_CHECKPOINTING)}; got "
                              f"{self.activation_checkpointing!r}")
-        per = self.world_size * self.grad_accum
+        per = self.dp * self.grad_accum
         if self.batch_size % per:
+            ranks = "ranks" if self.tp == 1 else "data-parallel ranks"
             raise ValueError(f"--batch-size {self.batch_size} does not split into "
-                             f"{self.world_size} ranks x {self.grad_accum} micro-batches")
+                             f"{self.dp} {ranks} x {self.grad_accum} micro-batches")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"--bucket-mb must be > 0, got {self.bucket_mb!r}")
         zero_ok = ("fragmentation", "workspace_gib", "context_gib", "latency_intra_us",
@@ -199,10 +226,53 @@ class PlanInput:
             raise ValueError(f"--overlap must be in [0, 1], got {self.hardware.overlap}")
         return self
 
+    def _check_tp(self) -> None:
+        tp, m = self.tp, self.model
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            if self.sequence_parallel:
+                raise ValueError("--sequence-parallel splits the sequence over --tp ranks: "
+                                 "give --tp > 1")
+            return
+        if self.gpus_per_node % tp:
+            raise ValueError(f"--tp {tp} must divide --gpus-per-node {self.gpus_per_node}: a "
+                             "tensor-parallel group talks at every layer, so it stays in a node")
+        for name, size in (("n-heads", m.n_heads), ("d-ff", m.d_ff),
+                           ("vocab-size", m.vocab_size)):
+            if size % tp:
+                raise ValueError(f"--tp {tp} does not divide --{name} {size}")
+        if self.sequence_parallel and m.context_length % tp:
+            raise ValueError(f"--sequence-parallel needs --tp {tp} to divide "
+                             f"--context-length {m.context_length}")
+
+
+def local_counts(config: ModelConfig, tp: int) -> dict[str, int]:
+    """:func:`~lab2_trainer.models.shapes.parameter_counts` of one tensor-parallel rank:
+    1/tp of every block matrix, of the token table and of the head; the position table and
+    the norms whole (``total``, ``block``, ``block_matmul``, ``blocks``, ``matmul``,
+    ``embeddings``, ``head``, ``norms``). ``tp`` 1 is the whole model's."""
+    counts = parameter_counts(config)
+    if tp == 1:
+        return counts
+    d = config.d_model
+    block_norms = counts["block"] - counts["block_matmul"]
+    block_matmul = counts["block_matmul"] // tp
+    block = block_matmul + block_norms
+    tables = config.vocab_size * d // tp + config.context_length * d
+    head = counts["head"] // tp
+    norms = counts["norms"]
+    total = config.n_layers * block + tables + head + norms
+    matmul = counts["matmul"] // tp  # every matrix product's weight is cut
+    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
+            "embeddings": tables, "head": head, "norms": norms, "total": total,
+            "matmul": matmul}
+
 
 # ------------------------------------------------------------------------ activations
 def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: str = "none",
-                           compiled: bool = False) -> float:
+                           compiled: bool = False, tp: int = 1,
+                           sequence_parallel: bool = False) -> float:
     """Bytes one block keeps for its backward, per token.
 
     With ``a`` the autocast dtype's size (4 in fp32) and the residual stream in fp32:
@@ -222,46 +292,62 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
     of the matrix products and attention: (4 + 6 a) d + 2 a d_ff (SwiGLU) or a d_ff
     (GELU) plus the log-sum-exp; the pending input is the previous block's last product,
     counted once.
+
+    With ``tp`` > 1 (the module docstring): attention's and the feed-forward's inner
+    tensors are 1/tp; what is whole per token (the residual stream, the norms, the row
+    layers' outputs) is 1/tp too under ``sequence_parallel``, which keeps the column
+    layers' two gathered inputs (2 a d) whole instead.
     """
     a = ACTIVATION_BYTES[precision]
     d, f = config.d_model, config.d_ff
-    lse = 4 * config.n_heads
+    lse = 4 * config.n_heads / tp
+    stream = 1 / tp if sequence_parallel else 1.0  # share of a whole-token tensor held
+    gathered = 2 * a * d if sequence_parallel else 0.0
     if checkpointing == "full":
-        return (4 + a) * d
-    mlp_products = (2 if config.ffn == "swiglu" else 1) * a * f
+        return (4 + a) * d * stream
+    mlp_products = (2 if config.ffn == "swiglu" else 1) * a * f / tp
     if checkpointing == "selective":
-        return (4 + 6 * a) * d + mlp_products + lse
+        # The inputs and the row layers' outputs are whole tokens; qkv and attention's
+        # output are cut.
+        return (4 + 2 * a) * d * stream + 4 * a * d / tp + mlp_products + lse + gathered
     norm_extra = 4 * d if config.norm == "torch" else 0
-    norms = 2 * (4 * d + a * d + norm_extra)
-    attention = 3 * a * d + a * d + lse
+    norms = 2 * (4 * d + a * d + norm_extra) * stream
+    attention = (3 * a * d + a * d) / tp + lse
     if compiled and config.ffn == "swiglu":
-        mlp = 3 * a * f
+        mlp = 3 * a * f / tp
     else:
-        mlp = (4 if config.ffn == "swiglu" else 2) * a * f
-    return norms + attention + mlp
+        mlp = (4 if config.ffn == "swiglu" else 2) * a * f / tp
+    return norms + attention + mlp + gathered
 
 
 def final_activation_bytes(config: ModelConfig, precision: str,
-                           checkpointing: str = "none") -> float:
+                           checkpointing: str = "none", tp: int = 1,
+                           sequence_parallel: bool = False) -> float:
     """Per token: what the final norm and the LM head keep (the fp32 residual sum, the
     normalised output in the autocast dtype; nn.RMSNorm's normalised input besides) and
     the loss's fp32 log-softmax (4 V). With ``selective`` checkpointing also the first
     block's pending branch (the embedding's zeros, ``a d``), which its checkpoint keeps as
-    an input where every later block's is the previous block's kept product."""
+    an input where every later block's is the previous block's kept product. Tensor
+    parallelism keeps 1/tp of the vocabulary (and, under sequence parallelism, 1/tp of the
+    rest; the head's gathered input whole)."""
     a = ACTIVATION_BYTES[precision]
     norm_extra = 4 * config.d_model if config.norm == "torch" else 0
     first_pending = a * config.d_model if checkpointing == "selective" else 0
-    return ((4 + a) * config.d_model + norm_extra + 4 * config.vocab_size
-            + first_pending)
+    stream = 1 / tp if sequence_parallel else 1.0
+    gathered = a * config.d_model if sequence_parallel else 0.0
+    return (((4 + a) * config.d_model + norm_extra + first_pending) * stream + gathered
+            + 4 * config.vocab_size / tp)
 
 
-def logits_bytes(config: ModelConfig, precision: str, compiled: bool = False) -> float:
+def logits_bytes(config: ModelConfig, precision: str, compiled: bool = False,
+                 tp: int = 1) -> float:
     """Per token, the logits' transient peak beyond what :func:`final_activation_bytes`
     keeps: at the start of the backward, the log-softmax's incoming and outgoing fp32
     gradients (8 V) and the head's gradient in the autocast dtype (a V); compiled, one
-    fused kernel writes the head's gradient from the saved log-softmax (a V)."""
+    fused kernel writes the head's gradient from the saved log-softmax (a V). Tensor
+    parallelism: 1/tp of the vocabulary."""
     a = ACTIVATION_BYTES[precision]
-    return (a if compiled else 8 + a) * config.vocab_size
+    return (a if compiled else 8 + a) * config.vocab_size / tp
 
 
 # ----------------------------------------------------------------------------- memory
@@ -269,9 +355,9 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     """Bytes per GPU, by item (see the module docstring); ``peak`` is their sum as the
     peak counts them, ``reserved`` adds the allocator's fragmentation."""
     c, hw = p.model, p.hardware
-    counts = parameter_counts(c)
+    counts = local_counts(c, p.tp)
     n = counts["total"]
-    N = p.world_size
+    N = p.dp  # the ranks the sharding kind shards over
     state = training_state_parts(n, p.sharding, N, p.reshard_after_forward)
     bucket = p.bucket_mb * 1024**2
     buffers = 0.0
@@ -299,14 +385,17 @@ def memory_items(p: PlanInput) -> dict[str, float]:
             cast -= (c.n_layers - 1) * counts["block_matmul"]
         casts = 2 * cast
     tokens = p.micro_batch * c.context_length
-    per_layer = layer_activation_bytes(c, p.precision, p.activation_checkpointing, p.compile)
-    final = final_activation_bytes(c, p.precision, p.activation_checkpointing)
+    sp = p.sequence_parallel
+    per_layer = layer_activation_bytes(c, p.precision, p.activation_checkpointing, p.compile,
+                                       p.tp, sp)
+    final = final_activation_bytes(c, p.precision, p.activation_checkpointing, p.tp, sp)
     activations = tokens * (c.n_layers * per_layer + final)
     recompute = 0.0
     if p.activation_checkpointing != "none":
         # The block being recomputed holds its activations again, beside its gradients.
-        recompute = tokens * layer_activation_bytes(c, p.precision, "none", p.compile)
-    logits = tokens * logits_bytes(c, p.precision, p.compile)
+        recompute = tokens * layer_activation_bytes(c, p.precision, "none", p.compile, p.tp,
+                                                    sp)
+    logits = tokens * logits_bytes(c, p.precision, p.compile, p.tp)
     forward_backward = activations + recompute + logits
     gradients = state["gradients"]
     counted_grads = gradients if p.grad_accum > 1 or persistent else 0.0
@@ -350,11 +439,11 @@ def zero3_buffers(p: PlanInput) -> float:
       which the parameters item counts); one rank's shard is its full buffer;
     * with accumulation, ``no_sync``'s full gradient of every parameter (4 each).
     """
-    counts = parameter_counts(p.model)
+    counts = local_counts(p.model, p.tp)
     root = counts["embeddings"] + counts["head"] + counts["norms"]
     block = counts["block"]
     held = 4 * root + 4 * block
-    if p.world_size > 1:
+    if p.dp > 1:
         held += 2 * 4 * block + 4 * root
         if p.reshard_after_forward:
             held += 2 * 4 * block
@@ -374,7 +463,7 @@ def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
     best, lo, hi = 0, 1, limit
     while lo <= hi:
         mid = (lo + hi) // 2
-        trial = dataclasses.replace(p, batch_size=mid * p.world_size * p.grad_accum)
+        trial = dataclasses.replace(p, batch_size=mid * p.dp * p.grad_accum)
         if fits(trial):
             best, lo = mid, mid + 1
         else:
@@ -396,18 +485,18 @@ def _collective(kind: str, nbytes: float, world: int, bandwidth: float, latency:
 def step_time(p: PlanInput) -> dict[str, Any]:
     """Compute, communication by collective, exposed communication and the step's time,
     tokens/s, MFU, HFU and scaling efficiency (see the module docstring)."""
-    c, hw, N = p.model, p.hardware, p.world_size
+    c, hw, N, tp = p.model, p.hardware, p.dp, p.tp
     model_flops, hardware_flops = flops_per_token(c, p.activation_checkpointing)
-    tokens_rank = p.batch_size // N * c.context_length
+    tokens_rank = p.batch_size // N * c.context_length  # the tokens of this rank's dp group
     peak = hw.peak_tflops * 1e12
-    compute = tokens_rank * hardware_flops / (peak * hw.efficiency)
+    compute = tokens_rank * hardware_flops / tp / (peak * hw.efficiency)
     # The forward is a third of the model's FLOPs; the backward the rest, recompute included.
     forward = compute * (model_flops / 3) / hardware_flops
     backward = compute - forward
     inter = p.nodes > 1
     bandwidth = (hw.ib_gbits / 8 if inter else hw.nvlink_gbs) * 1e9
     latency = (hw.latency_inter_us if inter else hw.latency_intra_us) * 1e-6
-    n = parameter_counts(c)["total"]
+    n = local_counts(c, tp)["total"]
     grad_bytes = 4.0 * n
     bucket = p.bucket_mb * 1024**2
     buckets = max(1, math.ceil(grad_bytes / bucket))
@@ -416,6 +505,30 @@ def step_time(p: PlanInput) -> dict[str, Any]:
     def add(name: str, kind: str, nbytes: float, calls: int, hides_behind: str) -> None:
         comms[name] = {"seconds": _collective(kind, nbytes, N, bandwidth, latency, calls),
                        "bytes": nbytes, "hides_behind": hides_behind}
+
+    budget_extra: dict[str, float] = {}
+    if tp > 1:
+        # Two collectives of tokens x d per block and micro-batch each way, one more for
+        # the embedding (forward) and the head (backward); within the node. Under sequence
+        # parallelism each all-reduce is an all-gather and a reduce-scatter: the same ring
+        # volume, twice the calls.
+        a = ACTIVATION_BYTES[p.precision]
+        calls = (2 * c.n_layers + 1) * p.grad_accum
+        nbytes = calls * p.micro_batch * c.context_length * c.d_model * a
+        split = 2 if p.sequence_parallel else 1
+        tp_bw, tp_lat = hw.nvlink_gbs * 1e9, hw.latency_intra_us * 1e-6
+        for name, hides in (("tensor-parallel forward", "none"),
+                            ("tensor-parallel backward", "column weight gradients")):
+            comms[name] = {"seconds": _collective("all-reduce", nbytes, tp, tp_bw, tp_lat,
+                                                  split * calls),
+                           "bytes": nbytes, "hides_behind": hides, "calls": calls}
+        # The column layers' weight gradients (qkv, w1 and w3, the head): 2 FLOPs a weight
+        # and token, this rank's 1/tp.
+        ffn_in = 2 if c.ffn == "swiglu" else 1
+        column = c.n_layers * (3 * c.d_model + ffn_in * c.d_ff) * c.d_model \
+            + c.vocab_size * c.d_model
+        budget_extra["column weight gradients"] = (
+            tokens_rank * 2 * column / tp / (peak * hw.efficiency))
 
     s = p.sharding
     if s in ("none", "zero1-allreduce", "torch"):
@@ -444,17 +557,19 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             add("backward all-gather", "all-gather", gathers * blocks_bytes,
                 gathers * c.n_layers, "backward")
         add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
-    budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap}
+    budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap,
+              **{k: v * hw.overlap for k, v in budget_extra.items()}}
     exposed = 0.0
     for name, comm in comms.items():
         t = comm["seconds"]
         where = comm["hides_behind"]
-        if where == "none" or N == 1:
+        if where == "none" or (N == 1 and "calls" not in comm):
             comm["exposed"] = t
         else:
             # The last call (bucket or block) has nothing left to hide behind.
-            calls = (buckets if s not in ("fsdp", "zero3") or ("reduce" in name and s == "fsdp")
-                     else c.n_layers + 1)
+            calls = comm.get("calls") or (
+                buckets if s not in ("fsdp", "zero3") or ("reduce" in name and s == "fsdp")
+                else c.n_layers + 1)
             last = t / max(1, calls)
             hidden = min(t - last, budget[where])
             budget[where] -= hidden
@@ -468,9 +583,9 @@ def step_time(p: PlanInput) -> dict[str, Any]:
         "communication": comms,
         "communication_s": sum(x["seconds"] for x in comms.values()),
         "exposed_communication_s": exposed, "step_s": step, "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_gpu": tokens_per_s / N,
-        "mfu": tokens_per_s * model_flops / (peak * N),
-        "hfu": tokens_per_s * hardware_flops / (peak * N),
+        "tokens_per_s_per_gpu": tokens_per_s / p.world_size,
+        "mfu": tokens_per_s * model_flops / (peak * p.world_size),
+        "hfu": tokens_per_s * hardware_flops / (peak * p.world_size),
         "scaling_efficiency": compute / step if step > 0 else math.nan,
         "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
         "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
@@ -510,6 +625,7 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "world_size": p.world_size, "gpus_per_node": p.gpus_per_node, "nodes": p.nodes,
         "batch_size": p.batch_size, "micro_batch": p.micro_batch, "grad_accum": p.grad_accum,
         "precision": p.precision, "sharding": p.sharding, "ddp": p.ddp,
+        "tp": p.tp, "dp": p.dp, "sequence_parallel": p.sequence_parallel,
         "activation_checkpointing": p.activation_checkpointing, "compile": p.compile,
         "memory_bytes": items,
         "peak_gib": items["peak"] / GIB,
@@ -519,6 +635,7 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "largest_micro_batch": largest_micro_batch(p),
         "time": step_time(p),
         "checkpoint_bytes": checkpoint_bytes(counts["total"], p.world_size),
+        "parameters_per_gpu": local_counts(p.model, p.tp)["total"],
         "hardware": dataclasses.asdict(p.hardware),
         "assumptions": assumptions(p),
     }
