@@ -352,7 +352,7 @@ def dcp_metadata(folder: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        with open_regular(folder / ".metadata"):  # never a FIFO's open
+        with open_regular(Path(folder) / ".metadata"):  # never a FIFO's open
             pass
         return FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 (a damaged file can fail in any way)
