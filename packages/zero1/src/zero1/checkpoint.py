@@ -412,8 +412,12 @@ def load_full_state(
     except BaseException:
         local.__dict__.update(before)
         raise
-    for group, saved in zip(param_groups, saved_hyperparameters):
+    for group, saved, filled in zip(param_groups, saved_hyperparameters, local.param_groups):
         params = group["params"]
         group.clear()
         group.update(saved)
+        # What the optimizer filled in itself for a state dict that lacks it (an option
+        # added since, Muon's ns_dtype in torch.optim.Muon's state dict).
+        for key, value in hyperparameters(filled).items():
+            group.setdefault(key, value)
         group["params"] = params
