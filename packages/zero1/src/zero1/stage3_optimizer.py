@@ -161,6 +161,19 @@ class Stage3Optimizer(Optimizer):
         """The ``optimizer_cls`` instance stepping this rank's pieces."""
         return self._local
 
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank that steps ``param`` whole and holds its state (an optimizer that
+        needs whole parameters, such as Muon; an elementwise one has no owners).
+
+        Raises:
+            ValueError: an elementwise optimizer, or not a trainable parameter here.
+        """
+        owner = None if self._whole is None else self._whole.owner_of(param)
+        if owner is None:
+            raise ValueError(f"{_WHO}.owner_of: only the trainable parameters of an optimizer "
+                             "that steps whole parameters (Muon) have owners")
+        return owner
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of sharded parameters (call it on every rank)."""
         if getattr(self, "_constructing", False):
