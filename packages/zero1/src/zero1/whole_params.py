@@ -105,18 +105,6 @@ class OwnerExchange:
     def _owned_by(self, members: Sequence[int], rank: int) -> list[int]:
         return [i for i in members if self.owners[i] == rank]
 
-    def sent_elements(self, k_in: int, k_out: int) -> int:
-        """Elements this rank sends in one :meth:`to_owners` (``k_in`` tensors per piece)
-        and one :meth:`from_owners` (``k_out``)."""
-        out = 0
-        for i, held in enumerate(self._spans):
-            owner = self.owners[i]
-            if self.rank != owner and self.rank in held:
-                out += k_in * held[self.rank][1]
-            if self.rank == owner:
-                out += k_out * sum(n for r, (_, n) in held.items() if r != owner)
-        return out
-
     @torch.no_grad()
     def to_owners(self, pieces: Mapping[int, Sequence[torch.Tensor]],
                   whole: Mapping[int, Sequence[torch.Tensor]]) -> None:
@@ -249,11 +237,6 @@ class WholeParameters:
     @property
     def has_spans(self) -> bool:
         return self._exchange is not None
-
-    def sent_elements(self) -> int:
-        """Elements this rank sends in one :meth:`step`'s two exchanges."""
-        assert self._exchange is not None
-        return self._exchange.sent_elements(1 if self.values_held else 2, 1)
 
     def step(self, optimizer: Optimizer,
              held: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]],
