@@ -109,6 +109,7 @@ class ShardedBuckets:
         self._order: list[int] | None = None  # the learned order, once learned
         self._hooks: list = []
         self.sync_enabled = True
+        self.unused: set[int] = set()  # parameters (numbers) no rank gave a gradient this step
         self._reset_step()
 
     # ------------------------------------------------------------------ layout
@@ -451,6 +452,7 @@ class ShardedBuckets:
         nobody: set[int] = set()
         if not all(self._used):  # only a parameter unused here can be unused everywhere
             nobody = {i for i, count in enumerate(used.tolist()) if count == 0}
+        self.unused = nobody
         for piece, view, index in self._piece_grads:
             piece.local.grad = None if index in nobody else view
         for bucket in self.buckets:
@@ -476,6 +478,15 @@ class ShardedBuckets:
         works = [w for b in self.buckets for w in self.comm.all_gather(b.params, b.layout)]
         for work in works:
             work.wait()
+
+    def spans(self) -> dict[int, list[tuple[int, int, int]]]:
+        """``{id(param): [(rank, start, numel), ...]}``: which ranks' shards hold which
+        part of each parameter, in the current buckets."""
+        out = {}
+        for bucket in self.buckets:
+            for index, held in zip(bucket.members, bucket.layout.spans()):
+                out[id(self.params[index])] = held
+        return out
 
     def shard_gradients(self) -> list[torch.Tensor]:
         """This rank's averaged gradient buffers (padding is zero)."""

@@ -38,10 +38,17 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
+def _is_whole(piece: Any) -> bool:
+    """Whether ``piece`` covers its whole parameter in the parameter's shape (the
+    parameter itself, or what an owner steps of a whole parameter)."""
+    return piece.local is piece.param or (piece.start == 0
+                                          and piece.local.shape == piece.param.shape)
+
+
 def state_of_pieces(state: Mapping[torch.Tensor, Any],
                     numbered: Sequence[tuple[int, Any]]) -> list[tuple[int, int | None, Any]]:
     """A rank's state on the CPU, as ``(global number, start, state)`` per piece; start is
-    None for a parameter held whole (its state keeps its own shapes).
+    None for a parameter held whole (its state keeps its own shapes, factored ones too).
 
     Reads ``state`` for the given pieces only: ``optimizer.state`` is a defaultdict, and
     code that merely looked up another tensor left an empty entry for it, which must not
@@ -52,7 +59,7 @@ def state_of_pieces(state: Mapping[torch.Tensor, Any],
         numbered: ``(global parameter number, piece)`` for each piece this rank holds
             (:class:`zero1.flat.Piece`).
     """
-    return [(index, None if piece.local is piece.param else piece.start,
+    return [(index, None if _is_whole(piece) else piece.start,
              to_cpu(state[piece.local]))
             for index, piece in numbered if state.get(piece.local)]
 
@@ -135,14 +142,17 @@ def select_pieces(state_dict: Mapping[str, Any],
 
 def _cut(entry: Mapping[str, Any], piece: Any) -> dict[str, Any]:
     """A parameter's state for one piece of it: tensors shaped like the parameter are
-    sliced (a copy, so that the loaded dict is not stepped in place); the rest stays."""
+    sliced (a copy, so that the loaded dict is not stepped in place), unless the piece is
+    the whole parameter (a whole parameter stepped by its owner: its state is copied as it
+    is, factored statistics too); the rest stays."""
     if piece.local is piece.param:
         return dict(entry)
     n = piece.local.numel()
     out = {}
     for key, value in entry.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            out[key] = value.reshape(-1)[piece.start : piece.start + n].clone()
+            out[key] = (value.clone() if _is_whole(piece)
+                         else value.reshape(-1)[piece.start : piece.start + n].clone())
         else:
             out[key] = value
     return out
@@ -156,9 +166,10 @@ _FACTORED = tuple(getattr(torch.optim, name) for name in ("Adafactor",) if hasat
 
 
 def _is_flag(value: Any) -> bool:
-    """Option-like hyperparameters (``foreach``, ``fused``, ``maximize``, ...): torch fills
-    them in itself when an older state dict lacks them."""
-    return value is None or isinstance(value, bool)
+    """Option-like hyperparameters (``foreach``, ``fused``, ``maximize``, Muon's
+    ``ns_dtype``, ...): the optimizer fills them in itself when a state dict lacks them
+    (``torch.optim.Muon``'s has no ``ns_dtype``)."""
+    return value is None or isinstance(value, (bool, torch.dtype))
 
 
 def _shape(t: Any) -> list[int]:
@@ -401,8 +412,12 @@ def load_full_state(
     except BaseException:
         local.__dict__.update(before)
         raise
-    for group, saved in zip(param_groups, saved_hyperparameters):
+    for group, saved, filled in zip(param_groups, saved_hyperparameters, local.param_groups):
         params = group["params"]
         group.clear()
         group.update(saved)
+        # What the optimizer filled in itself for a state dict that lacks it (an option
+        # added since, Muon's ns_dtype in torch.optim.Muon's state dict).
+        for key, value in hyperparameters(filled).items():
+            group.setdefault(key, value)
         group["params"] = params

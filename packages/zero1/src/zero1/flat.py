@@ -8,8 +8,9 @@ of the world size N and cut into N equal shards: rank r owns elements ``[r*C, (r
 
 The API, used by stages 1 and 2 (:mod:`zero1.buckets`) and open to stage 3:
 
-* :class:`FlatLayout` ``.of(numels, world_size)``: offsets, padding, shard size, and
-  :meth:`FlatLayout.pieces` (which part of which member lies in a rank's shard);
+* :class:`FlatLayout` ``.of(numels, world_size)``: offsets, padding, shard size,
+  :meth:`FlatLayout.pieces` (which part of which member lies in a rank's shard) and
+  :meth:`FlatLayout.spans` (which ranks hold which part of each member);
 * :func:`member_views` and :func:`bind`: the members as views of a flat buffer;
 * :class:`ShardCollectives`: ``reduce_scatter`` of a flat bucket into this rank's shard
   (the sum) and ``all_gather`` of the shards back into the flat bucket, in place;
@@ -72,6 +73,16 @@ class FlatLayout:
             lo, hi = max(offset, mine.start), min(offset + n, mine.stop)
             if lo < hi:
                 out.append((j, lo, hi))
+        return out
+
+    def spans(self) -> list[list[tuple[int, int, int]]]:
+        """Per member, ``(rank, start, numel)`` of each rank holding part of it: elements
+        ``[start, start + numel)`` of the flattened member lie in ``rank``'s shard (ranks
+        in order; what :mod:`zero1.whole_params` gathers a member from)."""
+        out: list[list[tuple[int, int, int]]] = [[] for _ in self.numels]
+        for rank in range(self.world_size):
+            for j, lo, hi in self.pieces(rank):
+                out[j].append((rank, lo - self.offsets[j], hi - lo))
         return out
 
 

@@ -1,8 +1,11 @@
-"""``ShardedOptimizer``: ZeRO stages 1 and 2 around any elementwise ``torch.optim`` optimizer.
+"""``ShardedOptimizer``: ZeRO stages 1 and 2 around a ``torch.optim`` optimizer.
 
 ``reduce_gradients=True`` (the default) averages the gradients itself in flat buckets
-(:mod:`zero1.buckets`): 2Ψ per step. ``reduce_gradients=False`` steps whole parameters
-after a DDP wrapper's all-reduce and broadcasts them (:mod:`zero1.exchange`): 3Ψ.
+(:mod:`zero1.buckets`): 2Ψ per step. An elementwise optimizer (AdamW, SGD, ...) steps
+each rank's shard; one that needs whole parameters (Muon, Adafactor) steps each on its
+owner, which gathers it from the shards and sends the new values back
+(:mod:`zero1.whole_params`). ``reduce_gradients=False`` steps whole parameters after a
+DDP wrapper's all-reduce and broadcasts them (:mod:`zero1.exchange`): 3Ψ.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .param_groups import (
     normalize_new_group,
     normalize_param_groups,
 )
+from .whole_params import WholeParameters, check_whole_parameter_groups, steps_whole_parameters
 
 
 # ------------------------------------------------------------------ state size
@@ -73,11 +77,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # ------------------------------------------------------------------ the optimizer
-#: Optimizers whose update of an element needs more than that element (factored or
-#: matrix-wise statistics, sparse gradients): the bucket path, which steps pieces of
-#: parameters, refuses them; the broadcast path steps whole parameters and takes them.
-_WHOLE_TENSOR = tuple(getattr(torch.optim, name) for name in ("Adafactor", "SparseAdam", "Muon")
-                      if hasattr(torch.optim, name))
+#: Optimizers of sparse gradients: the bucket path, which packs dense gradients, refuses
+#: them; the broadcast path takes them.
+_SPARSE = tuple(getattr(torch.optim, name) for name in ("SparseAdam",)
+                if hasattr(torch.optim, name))
 
 
 def _size(p: torch.Tensor) -> int:
@@ -92,6 +95,8 @@ class ShardedOptimizer(Optimizer):
     wrapper): reduce-scattered in flat buckets during backward, each rank steps its
     shard, then the parameters are all-gathered. ``.grad`` is then *not* the average
     (stage 1: the local gradient; stage 2: None): clip with :meth:`clip_grad_norm_`.
+    An optimizer that needs whole parameters (Muon, Adafactor) keeps the same buckets,
+    and each parameter is stepped whole by its owner rank (:mod:`zero1.whole_params`).
     With ``reduce_gradients=False`` (stage 1) a DDP wrapper averages, and each rank
     steps and broadcasts the whole parameters it owns.
 
@@ -102,9 +107,9 @@ class ShardedOptimizer(Optimizer):
 
     Args:
         params: an iterable of tensors or of param-group dicts (not a bare tensor).
-        optimizer_cls: a ``torch.optim.Optimizer`` subclass whose state is per parameter
-            (AdamW, Adam, SGD, ...); with ``reduce_gradients`` its update must be
-            elementwise (not Adafactor, SparseAdam or Muon).
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass whose state is per parameter:
+            elementwise (AdamW, Adam, SGD, ...) or whole-parameter (``zero1.Muon``,
+            ``torch.optim.Muon``, Adafactor); with ``reduce_gradients`` not SparseAdam.
         stage: 1 (shard the optimizer state) or 2 (also the gradients; needs
             ``reduce_gradients``).
         reduce_gradients: average the gradients here (see above).
@@ -152,11 +157,11 @@ class ShardedOptimizer(Optimizer):
         if stage == 2 and not reduce_gradients:
             raise ValueError("ShardedOptimizer: stage 2 shards the gradients, so it reduces "
                              "them itself: reduce_gradients=False needs stage=1")
-        if reduce_gradients and issubclass(optimizer_cls, _WHOLE_TENSOR):
+        if reduce_gradients and issubclass(optimizer_cls, _SPARSE):
             raise TypeError(
-                f"ShardedOptimizer: {optimizer_cls.__name__}'s update is not elementwise, so "
-                "it cannot step pieces of parameters; use reduce_gradients=False (whole "
-                "parameters, with a DDP wrapper averaging the gradients)")
+                f"ShardedOptimizer: {optimizer_cls.__name__} takes sparse gradients, which the "
+                "buckets do not carry; use reduce_gradients=False (whole parameters, with a "
+                "DDP wrapper averaging the gradients)")
         if collectives not in COLLECTIVES:
             raise ValueError(f"ShardedOptimizer: collectives must be one of "
                              f"{', '.join(COLLECTIVES)}, got {collectives!r}")
@@ -168,6 +173,9 @@ class ShardedOptimizer(Optimizer):
         validate_bucket_rule(bucket_rule)
         groups = normalize_param_groups(params)
         check_distinct_and_colocated([p for g in groups for p in g["params"]])
+        whole = steps_whole_parameters(optimizer_cls)
+        if whole:  # what it refuses (Muon: a 1-D parameter), on every rank, before sending
+            check_whole_parameter_groups(optimizer_cls, groups, defaults)
         self._info = resolve_group(process_group)
         check_same_on_every_rank(self._info, [g["params"] for g in groups], "__init__")
 
@@ -178,9 +186,14 @@ class ShardedOptimizer(Optimizer):
         self._owners: list[list[int]] = []  # broadcast path: per group, each param's owner
         self._exchange: ParameterExchange | None = None
         self._buckets: ShardedBuckets | None = None
+        self._whole: WholeParameters | None = None  # owners of whole parameters, if needed
+        self._spans_version = -1  # the bucket layout the owners' exchange follows
         if reduce_gradients and self._info.world_size > 1:
             self._buckets = ShardedBuckets(self._info, stage, bucket_size_mb, bucket_rule,
                                            reduce_dtype, collectives)
+            if whole:
+                self._whole = WholeParameters(self._info.rank, self._info.world_size,
+                                              self._info.group, values_held=True)
         # Per group, this rank's pieces: (position in the group, piece).
         self._pieces: list[list[tuple[int, Piece]]] = self._shard(groups)
 
@@ -231,7 +244,14 @@ class ShardedOptimizer(Optimizer):
         return 0 if self._buckets is None else len(self._buckets.buckets)
 
     def owner_of(self, param: torch.Tensor) -> int:
-        """The rank that owns ``param``'s optimizer state (broadcast path, or one rank)."""
+        """The rank that owns ``param``'s optimizer state (broadcast path, one rank, or an
+        optimizer that steps whole parameters)."""
+        if self._whole is not None:
+            owner = self._whole.owner_of(param)
+            if owner is None:
+                raise ValueError("ShardedOptimizer.owner_of: the tensor is not one of the "
+                                 "trainable parameters")
+            return owner
         if self._buckets is not None:
             raise ValueError("ShardedOptimizer.owner_of: with reduce_gradients every rank owns "
                              "a piece of each bucket, not whole parameters")
@@ -262,7 +282,12 @@ class ShardedOptimizer(Optimizer):
         """This rank's pieces of ``groups`` (new groups: their parameters are not sharded
         yet). Collective on the reduce-scatter path (parameters broadcast from rank 0)."""
         if self._buckets is not None:
-            self._buckets.add([p for g in groups for p in g["params"] if p.requires_grad])
+            trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+            self._buckets.add(trainable)
+            if self._whole is not None:  # whole parameters, on their owners
+                owned = self._whole.add(trainable)
+                return [[(j, owned[id(p)]) for j, p in enumerate(g["params"]) if id(p) in owned]
+                        for g in groups]
             return self._bucket_pieces(groups)
         out = []
         for group in groups:
@@ -286,8 +311,8 @@ class ShardedOptimizer(Optimizer):
         buckets = self._buckets
         version = buckets.layout_version  # type: ignore[union-attr]
         buckets.finish()  # type: ignore[union-attr]
-        if buckets.layout_version != version:  # type: ignore[union-attr]
-            self._adopt_pieces()
+        if buckets.layout_version != version and self._whole is None:  # type: ignore[union-attr]
+            self._adopt_pieces()  # (whole parameters keep their owners: nothing moves)
 
     @property
     def gradient_order(self) -> list[int] | None:
@@ -304,7 +329,7 @@ class ShardedOptimizer(Optimizer):
             return
         version = self._buckets.layout_version
         self._buckets.follow_order(order)
-        if self._buckets.layout_version != version:
+        if self._buckets.layout_version != version and self._whole is None:
             self._adopt_pieces()
 
     def _adopt_pieces(self) -> None:
@@ -470,12 +495,15 @@ class ShardedOptimizer(Optimizer):
             self._exchange.ensure_bound()
         self._push_hyperparameters()
         failure = None
-        try:
-            self._local.step(**kwargs)
-        except Exception as exc:  # re-raised below
-            # The other ranks are about to wait for this rank's shard: send it (as it was)
-            # before raising, so that no rank is left waiting in the exchange.
-            failure = exc
+        if self._whole is not None:
+            failure = self._step_whole(**kwargs)
+        else:
+            try:
+                self._local.step(**kwargs)
+            except Exception as exc:  # re-raised below
+                # The other ranks are about to wait for this rank's shard: send it (as it
+                # was) before raising, so that no rank is left waiting in the exchange.
+                failure = exc
         if buckets is not None:
             buckets.gather_parameters()
             buckets.end_step()
@@ -485,6 +513,18 @@ class ShardedOptimizer(Optimizer):
         if failure is not None:
             raise failure
         return loss
+
+    def _step_whole(self, **kwargs: Any) -> BaseException | None:
+        """Each owner steps its whole parameters over the averaged gradient shards
+        (:mod:`zero1.whole_params`); every rank's shard takes the new values."""
+        buckets, whole = self._buckets, self._whole
+        assert buckets is not None and whole is not None
+        if not whole.has_spans or self._spans_version != buckets.layout_version:
+            whole.set_spans(buckets.spans())
+            self._spans_version = buckets.layout_version
+        held = {key: (piece.local, piece.local.grad) for key, piece in buckets.pieces.items()}
+        unused = {id(buckets.params[i]) for i in buckets.unused}
+        return whole.step(self._local, held, unused, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def _numbered_pieces(self) -> list[tuple[int, Piece]]:
@@ -576,7 +616,9 @@ class ShardedOptimizer(Optimizer):
             hook(self)
 
     def __repr__(self) -> str:
-        path = "reduce-scatter" if self._buckets is not None else "broadcast"
+        path = ("broadcast" if self._buckets is None else
+                "reduce-scatter, whole parameters on owners" if self._whole is not None else
+                "reduce-scatter")
         return (
             f"ShardedOptimizer({self._optimizer_cls.__name__}, stage {self.stage}, {path}, rank "
             f"{self._info.rank} of {self._info.world_size}, {len(self.param_groups)} param groups)"

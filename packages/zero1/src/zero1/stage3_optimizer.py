@@ -1,5 +1,5 @@
-"""``Stage3Optimizer``: any elementwise ``torch.optim`` optimizer over the shards of a
-model sharded by :func:`zero1.shard_model` (ZeRO stage 3).
+"""``Stage3Optimizer``: a ``torch.optim`` optimizer over the shards of a model sharded by
+:func:`zero1.shard_model` (ZeRO stage 3).
 
 The user passes the model's parameters (or param groups of them) as to any optimizer.
 Each parameter is a view of its unit's flat buffer (:mod:`zero1.stage3`); the part of it
@@ -10,6 +10,11 @@ shard has no piece here. ``param_groups`` list the parameters themselves with th
 hyperparameters, as in a plain optimizer; ``state`` is the pieces' state. State dicts
 are the plain optimizer's full format (:mod:`zero1.checkpoint`), so a checkpoint moves
 between world sizes, stages and plain optimizers.
+
+An optimizer that needs whole parameters (Muon, Adafactor) steps each one on its owner
+rank instead: at the step, the owner gathers the parameter's gradient and values from
+the shards, steps it whole, and sends each rank the new values of its piece
+(:mod:`zero1.whole_params`); the owner holds the whole parameter only during the step.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from .param_groups import (
     normalize_param_groups,
 )
 from .stage3 import ShardedModel, Unit
+from .whole_params import WholeParameters, check_whole_parameter_groups, steps_whole_parameters
 
-#: Optimizers whose update of an element needs more than that element: they cannot step
-#: pieces of parameters.
-_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in
-                         ("Adafactor", "SparseAdam", "Muon", "LBFGS") if hasattr(torch.optim, name))
+#: Optimizers stepped neither piece by piece nor whole on an owner: sparse gradients, one
+#: state for every parameter.
+_REFUSED = tuple(getattr(torch.optim, name) for name in ("SparseAdam", "LBFGS")
+                 if hasattr(torch.optim, name))
 
 _WHO = "Stage3Optimizer"
 
@@ -74,7 +80,9 @@ class Stage3Optimizer(Optimizer):
 
     Args:
         params: the sharded model's parameters, or param-group dicts of them.
-        optimizer_cls: a ``torch.optim.Optimizer`` subclass with an elementwise update.
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass with an elementwise update
+            (AdamW, SGD, ...), or one that steps whole parameters (``zero1.Muon``,
+            ``torch.optim.Muon``, Adafactor: each is stepped on its owner rank).
         **defaults: passed to ``optimizer_cls`` (lr, betas, momentum, ...).
     """
 
@@ -82,16 +90,29 @@ class Stage3Optimizer(Optimizer):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             raise TypeError(f"{_WHO}: optimizer_cls must be a torch.optim.Optimizer subclass, "
                             f"got {optimizer_cls!r}")
-        if issubclass(optimizer_cls, (*_NOT_ELEMENTWISE, Stage3Optimizer)):
-            raise TypeError(f"{_WHO}: {optimizer_cls.__name__}'s update is not elementwise, so "
-                            "it cannot step shards of parameters")
+        if issubclass(optimizer_cls, (*_REFUSED, Stage3Optimizer)):
+            raise TypeError(f"{_WHO}: {optimizer_cls.__name__} cannot step shards of "
+                            "parameters (sparse gradients, or one state for all parameters)")
         groups = normalize_param_groups(params, _WHO)
         everything = [p for g in groups for p in g["params"]]
         check_distinct_and_colocated(everything, who=_WHO)
         owners = {id(_owner(p)[0]): _owner(p)[0] for p in everything}
         self._shardings: list[ShardedModel] = list(owners.values())
         self._optimizer_cls = optimizer_cls
-        self._pieces = [self._pieces_of(g) for g in groups]
+        # What this rank holds of each parameter (its gradients, clipping): per group,
+        # (position, piece of the shard).
+        self._held = [self._pieces_of(g) for g in groups]
+        # What the local optimizer steps: the held pieces, or the whole parameters owned.
+        self._whole: WholeParameters | None = None
+        self._unused: set[int] = set()
+        if steps_whole_parameters(optimizer_cls):
+            check_whole_parameter_groups(optimizer_cls, groups, defaults)
+            first = self._shardings[0]
+            self._whole = WholeParameters(first.rank, first.world_size, first.group,
+                                          values_held=False)
+            self._pieces = self._add_whole(groups)
+        else:
+            self._pieces = self._held
         local_groups = [{**hyperparameters(g), "params": [pc.local for _, pc in pieces]}
                         for g, pieces in zip(groups, self._pieces)]
         self._local = optimizer_cls(local_groups, **defaults)
@@ -114,6 +135,19 @@ class Stage3Optimizer(Optimizer):
                 out.append((position, piece))
         return out
 
+    def _add_whole(self, groups: list[dict[str, Any]]) -> list[list[tuple[int, Piece]]]:
+        """Owners for the trainable parameters of ``groups``; this rank's owned ones."""
+        assert self._whole is not None
+        owned = self._whole.add([p for g in groups for p in g["params"] if p.requires_grad])
+        spans = {}
+        for sharded in self._shardings:
+            for unit in sharded.units:
+                for p, held in zip(unit.params, unit.layout.spans()):
+                    spans[id(p)] = held
+        self._whole.set_spans(spans)
+        return [[(j, owned[id(p)]) for j, p in enumerate(g["params"]) if id(p) in owned]
+                for g in groups]
+
     @property
     def rank(self) -> int:
         return self._shardings[0].rank
@@ -127,6 +161,19 @@ class Stage3Optimizer(Optimizer):
         """The ``optimizer_cls`` instance stepping this rank's pieces."""
         return self._local
 
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank that steps ``param`` whole and holds its state (an optimizer that
+        needs whole parameters, such as Muon; an elementwise one has no owners).
+
+        Raises:
+            ValueError: an elementwise optimizer, or not a trainable parameter here.
+        """
+        owner = None if self._whole is None else self._whole.owner_of(param)
+        if owner is None:
+            raise ValueError(f"{_WHO}.owner_of: only the trainable parameters of an optimizer "
+                             "that steps whole parameters (Muon) have owners")
+        return owner
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of sharded parameters (call it on every rank)."""
         if getattr(self, "_constructing", False):
@@ -137,10 +184,13 @@ class Stage3Optimizer(Optimizer):
             sharded = _owner(p)[0]
             if all(s is not sharded for s in self._shardings):
                 self._shardings.append(sharded)
-        pieces = self._pieces_of(group)
+        held = self._pieces_of(group)
+        pieces = held if self._whole is None else self._add_whole([group])[0]
         self._local.add_param_group({**hyperparameters(group),
                                      "params": [pc.local for _, pc in pieces]})
-        self._pieces.append(pieces)
+        self._held.append(held)
+        if self._whole is not None:
+            self._pieces.append(pieces)
         local = self._local.param_groups[-1]
         super().add_param_group({**hyperparameters(local), "params": group["params"]})
         self._consolidated = None
@@ -169,7 +219,9 @@ class Stage3Optimizer(Optimizer):
                 for i in range(len(unit.params)):
                     grads[id(unit.params[i])] = (unit, bool(flags[k + i]))  # type: ignore[assignment]
                 k += len(unit.params)
-        for pieces in self._pieces:
+        self._unused = {key for key, (_, used) in grads.items()  # type: ignore[misc]
+                        if not used}
+        for pieces in self._held:
             for _, piece in pieces:
                 unit, used = grads[id(piece.param)]  # type: ignore[misc]
                 if not used or unit.grad_shard is None:
@@ -193,7 +245,7 @@ class Stage3Optimizer(Optimizer):
     def shard_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps (after the synchronization)."""
         self.finish_gradient_synchronization()
-        return [pc.local.grad for pieces in self._pieces for _, pc in pieces
+        return [pc.local.grad for pieces in self._held for _, pc in pieces
                 if pc.local.grad is not None]
 
     @torch.no_grad()
@@ -238,7 +290,7 @@ class Stage3Optimizer(Optimizer):
         """Drop the averaged gradient shards, and full gradients kept by ``no_sync``."""
         for sharded in self._shardings:
             sharded.zero_grad()
-        for pieces in self._pieces:
+        for pieces in self._held:
             for _, piece in pieces:
                 piece.local.grad = None
 
@@ -246,7 +298,12 @@ class Stage3Optimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shards (collective: it synchronizes the gradients first).
 
-        The full parameters are gathered again by the next forward.
+        The full parameters are gathered again by the next forward. Whole parameters are
+        gathered onto their owners, stepped there, and their new values sent back.
+
+        Raises:
+            Whatever the local optimizer's step raised; with whole parameters, after this
+            rank has sent its part, so that no rank is left waiting.
         """
         loss = None
         if closure is not None:
@@ -259,8 +316,15 @@ class Stage3Optimizer(Optimizer):
                     local[key] = value
         for sharded in self._shardings:
             sharded.reshard()
-        self._local.step(**kwargs)
         self._consolidated = None
+        if self._whole is None:
+            self._local.step(**kwargs)
+            return loss
+        held = {id(pc.param): (pc.local, pc.local.grad) for pieces in self._held
+                for _, pc in pieces if pc.param.requires_grad}
+        failure = self._whole.step(self._local, held, self._unused, **kwargs)
+        if failure is not None:
+            raise failure
         return loss
 
     # -------------------------------------------------------------- checkpoints
