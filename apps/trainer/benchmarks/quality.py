@@ -65,9 +65,20 @@ def command(args: argparse.Namespace, out: Path, steps: int, *, probe: bool = Fa
         cmd += ["--log-every", str(PROBE_LOG_EVERY), "--eval-every", "0",
                 "--eval-batches", str(PROBE_EVAL_BATCHES)]
     else:
-        cmd += ["--log-every", "50", "--eval-every", str(max(1, steps // EVALS)),
+        cmd += ["--log-every", "50", "--eval-every", str(eval_every(steps)),
                 "--eval-batches", str(args.eval_batches)]
     return cmd + args.extra
+
+
+def eval_every(steps: int) -> int:
+    """A run's ``--eval-every``: about :data:`EVALS` evaluations spread over it."""
+    return max(1, steps // EVALS)
+
+
+def eval_count(steps: int) -> int:
+    """The evaluations of a run of ``steps``: every ``eval_every`` steps, and at the end."""
+    every = eval_every(steps)
+    return steps // every + (steps % every != 0)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -102,19 +113,26 @@ def size_run(records: list[dict[str, Any]], summary: dict[str, Any], budget: flo
     summary; and the figures it used.
 
     A run's wall clock is its fixed part (start-up, compilation, the first steps' warm-up,
-    the last checkpoint, the plot), its steps at a steady step's time, and its evaluations.
-    The probe's fixed part is its wall clock less its steps at that time and its
-    evaluation (the probe ran warm, as the run will); an evaluation batch costs the
-    probe's evaluation over its batches; the run evaluates ``EVALS + 1`` times at most.
+    the last checkpoint, the plot), its steps at a steady step's time, and its evaluations
+    (:func:`eval_count` of ``eval_batches``). The probe's fixed part is its wall clock less
+    its steps at that time and its evaluation (the probe ran warm, as the run will); an
+    evaluation batch costs the probe's evaluation over its batches. The run gets the most
+    steps whose wall clock stays within the budget (at least the probe's).
     """
     step_s = steady_step_seconds(records)
     clock = summary["wall_clock"]
     eval_batch_s = clock["evaluation_s"] / PROBE_EVAL_BATCHES
     fixed = max(0.0, clock["wall_s"] - summary["steps"] * step_s - clock["evaluation_s"])
-    evaluating = (EVALS + 1) * eval_batches * eval_batch_s
-    steps = max(PROBE_STEPS, int((budget - fixed - evaluating) / step_s))
+
+    def evaluating(steps: int) -> float:
+        return eval_count(steps) * eval_batches * eval_batch_s
+
+    steps = max(PROBE_STEPS, int((budget - fixed) / step_s))
+    while steps > PROBE_STEPS and fixed + steps * step_s + evaluating(steps) > budget:
+        steps -= 1
     return steps, {"probe_step_s": step_s, "probe_fixed_s": fixed,
-                   "probe_eval_batch_s": eval_batch_s, "planned_eval_s": evaluating}
+                   "probe_eval_batch_s": eval_batch_s, "planned_eval_s": evaluating(steps),
+                   "planned_wall_s": fixed + steps * step_s + evaluating(steps)}
 
 
 def budget_steps(args: argparse.Namespace, root: Path) -> tuple[int, dict[str, Any]]:

@@ -53,13 +53,15 @@ def test_the_budget_is_sized_from_steady_steps_and_the_fixed_rest(quality):
     assert figures["probe_fixed_s"] == pytest.approx(startup + checkpoint + warm_extra)
     eval_batch = eval_s / quality.PROBE_EVAL_BATCHES
     assert figures["probe_eval_batch_s"] == pytest.approx(eval_batch)
-    planned_eval = (quality.EVALS + 1) * 32 * eval_batch
-    assert figures["planned_eval_s"] == pytest.approx(planned_eval)
-    assert steps == int((120.0 - figures["probe_fixed_s"] - planned_eval) / 0.1)
-    # A run of that many steps, with the probe's fixed part and evaluations, fills the
-    # budget to within one step and one evaluation.
-    wall = figures["probe_fixed_s"] + steps * 0.1 + planned_eval
-    assert 0.9 * 120 <= wall <= 120
+
+    def wall(n: int) -> float:  # a run of n steps: the probe's fixed part, steps, evaluations
+        return figures["probe_fixed_s"] + n * 0.1 + quality.eval_count(n) * 32 * eval_batch
+
+    assert figures["planned_eval_s"] == pytest.approx(quality.eval_count(steps) * 32 * eval_batch)
+    assert figures["planned_wall_s"] == pytest.approx(wall(steps))
+    # The most steps within the budget: it fills it to within a step and an evaluation.
+    assert wall(steps) <= 120 < wall(steps + 1) + 32 * eval_batch
+    assert wall(steps) >= 120 - 0.1 - 32 * eval_batch
     # The probe's mean step after the first, as the sizing took it before, would have
     # been a third too slow here: a run 30% short.
     mean_after_first = sum(r["step_seconds"] for r in records[1:]) / (len(records) - 1)
@@ -78,9 +80,14 @@ def test_a_noisy_probe_still_fills_the_budget(quality, seed):
     steps, figures = quality.size_run(records, probe_summary(records, fixed, eval_s), budget, 32)
     # The run: the same fixed part and first steps, then steady steps, then its evaluations.
     run_wall = (fixed + sum(r["step_seconds"] for r in records[:15])
-                + (steps - 15) * step + (quality.EVALS + 1) * 32 * eval_s
+                + (steps - 15) * step + quality.eval_count(steps) * 32 * eval_s
                 / quality.PROBE_EVAL_BATCHES)
     assert 0.9 * budget <= run_wall <= 1.1 * budget, (run_wall, budget)
+
+
+def test_the_evaluations_a_run_makes(quality):
+    assert [quality.eval_count(n) for n in (1, 19, 20, 40, 57, 400, 410)] == [
+        1, 19, 20, 20, 29, 20, 21]
 
 
 def test_a_budget_below_the_fixed_part_gets_the_probes_steps(quality):
