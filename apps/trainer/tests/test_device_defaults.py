@@ -139,12 +139,36 @@ def test_a_resumed_run_keeps_what_its_checkpoint_chose():
     saved = TrainSettings(nproc=1).resolve(1, "cuda", bf16=True)
     assert chosen(saved) == ("bf16", True, "blocks", "precision,compile")
     keep = resumed_settings(saved, {}, "cpu", None)
-    resumed = TrainSettings(model=saved.model, **keep).resolve(None, "cpu", bf16=False)
-    assert chosen(resumed) == ("bf16", True, "blocks", "")
-    # Asked again: chosen for this device.
-    keep = resumed_settings(saved, {"precision": "auto", "compile": None}, "cpu", None)
-    again = TrainSettings(model=saved.model, **keep).resolve(None, "cpu", bf16=False)
-    assert chosen(again) == ("fp32", False, "blocks", "precision,compile")
+    assert keep["auto"] == "precision,compile"  # its settings.toml stays the same
+    resumed = TrainSettings(model=saved.model, **keep).resolve(None, "cpu")
+    assert chosen(resumed) == ("bf16", True, "blocks", "precision,compile")
+    # One given is no longer the device's.
+    keep = resumed_settings(saved, {"precision": "fp32"}, "cpu", None)
+    assert (keep["precision"], keep["compile"], keep["auto"]) == ("fp32", True, "compile")
+
+
+SMALL = ["--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",
+         "--no-plot", "--nproc", "1", "--device", "cpu"]
+
+
+def test_a_resume_on_a_gpu_keeps_the_cpus_choice_unless_asked_again(monkeypatch, corpus_dir,
+                                                                    tmp_path):
+    out = tmp_path / "run"
+    assert main(["--data", str(corpus_dir), "--out", str(out), "--steps", "1", *SMALL]) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # then a GPU with bf16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+
+    def resume(*flags: str) -> TrainSettings:
+        args = build_parser().parse_args(["--resume", str(out), "--steps", "2", "--device",
+                                          "cuda", *flags])
+        settings, _ = resolve_settings(given_settings(args), "cuda")
+        return settings
+
+    assert chosen(resume()) == ("fp32", False, "blocks", "precision,compile")
+    assert chosen(resume("--precision", "auto")) == ("bf16", False, "blocks",
+                                                     "precision,compile")
+    assert chosen(resume("--compile", "auto")) == ("fp32", True, "blocks", "precision,compile")
+    assert chosen(resume("--precision", "fp16")) == ("fp16", False, "blocks", "compile")
 
 
 def test_the_run_says_what_the_device_chose(corpus_dir, tmp_path, capsys):
@@ -153,9 +177,7 @@ def test_the_run_says_what_the_device_chose(corpus_dir, tmp_path, capsys):
     assert precision_text({"precision": "fp16", "compile": False, "auto": ""}) == (
         "fp16, no compile")
     out = tmp_path / "run"
-    assert main(["--data", str(corpus_dir), "--out", str(out), "--steps", "1", "--nproc", "1",
-                 "--device", "cpu", "--batch-size", "8", "--eval-batches", "1",
-                 "--sample-tokens", "0", "--quiet", "--no-plot"]) == 0
+    assert main(["--data", str(corpus_dir), "--out", str(out), "--steps", "1", *SMALL]) == 0
     assert "fp32 (auto), no compile (auto)" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["auto"] == "precision,compile"

@@ -478,26 +478,29 @@ class TrainSettings:
     auto: str = setting("", flag=False)
     """The settings left to the device (of precision and compile), comma-separated, with the
     device's values: a new run (a rerun of its settings.toml too) chooses them for its own
-    device; a resumed run keeps its checkpoint's."""
+    device; a resumed run keeps its checkpoint's values (and lists)."""
 
     def __post_init__(self) -> None:
         # Never "auto" once made: as on the CPU until resolve() knows the device.
         self.choose_for_device(None)
 
-    def choose_for_device(self, bf16: bool | None) -> TrainSettings:
+    def choose_for_device(self, bf16: bool | None, only: Any = AUTO_SETTINGS
+                          ) -> TrainSettings:
         """Fill the settings left to the device ("auto", None for compile, or listed in
         ``auto``) for ``device_type``, and list them in ``auto``.
 
         Args:
             bf16: whether the device computes in bf16; None: not known, so only those
                 still "auto" are filled, as on the CPU.
+            only: the names chosen again when ``bf16`` is known (the others keep their
+                values unless still "auto").
         """
         listed = self.auto.split(",") if isinstance(self.auto, str) else []
         unset = {"precision": self.precision == AUTO, "compile": self.compile is None}
         names = [n for n in AUTO_SETTINGS if n in listed or unset[n]]
         chosen = device_defaults(self.device_type, bool(bf16))
         for name in names:
-            if bf16 is not None or getattr(self, name) in (AUTO, None):
+            if bf16 is not None and name in only or getattr(self, name) in (AUTO, None):
                 setattr(self, name, chosen[name])
         self.auto = ",".join(names)
         return self

@@ -246,9 +246,12 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
                              "that run, or choose another --out (nothing was overwritten)")
     try:
         # The defaults that depend on the device and the ranks: nproc, ddp, sharding; and
-        # the settings left to the device (precision, compile).
-        world_size = settings.resolve(torchrun_world, device_type,
-                                      bf16=bf16_supported(device_type)).nproc
+        # the settings left to the device (precision, compile), of which a resumed run
+        # chooses again only those given as "auto" (it keeps its checkpoint's others).
+        again = [n for n in AUTO_SETTINGS if n in explicit and explicit[n] in (AUTO, None)]
+        world_size = settings.resolve(torchrun_world, device_type).nproc
+        settings.choose_for_device(bf16_supported(device_type),
+                                   again if ckpt is not None else AUTO_SETTINGS)
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -336,8 +339,8 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
     keep = {f.name: getattr(saved, f.name) for f in fields(TrainSettings)
             if f.name not in NOT_RESUMED}
     # The checkpoint's precision and compilation are kept as they were chosen, also on
-    # another device; a flag (--precision auto included) chooses again.
-    keep["auto"] = ""
+    # another device (resolve_settings); one given is no longer the device's choice.
+    keep["auto"] = ",".join(n for n in str(saved.auto).split(",") if n and n not in explicit)
     new_layout = (any(n in explicit for n in LAYOUT_FIELDS) or device_type != saved.device_type
                   or (torchrun_world is not None and torchrun_world != saved.nproc))
     if new_layout:
