@@ -347,7 +347,8 @@ class TrainSettings:
     """The model's shape."""
     data: str | None = setting(None, group="data", default_text="this Python's "
                                "standard-library sources")
-    """Text file, folder, or .npy/.bin token array."""
+    """Text file, folder, .npy/.bin token array, or python-env: every .py source of this
+    Python (standard library and site-packages), validated on the default corpus's split."""
     vocab_size: int | None = setting(None, flag=False)
     """Vocabulary of a token-array corpus (None: bytes); ``--vocab-size`` sets it and the
     model's."""
