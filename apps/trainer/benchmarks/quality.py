@@ -1,7 +1,8 @@
 """How good a model the trainer makes in a given wall clock, with its defaults: the
 validation loss beside gzip's and xz's figures on the same validation split (computed by
-``lab2_trainer.data.corpus.compression_baselines``, not quoted), the training loss beside it, and
-the wall clock at which the validation loss first went below each compressor.
+``lab2_trainer.data.corpus.compression_baselines``, not quoted), the training loss beside it,
+the wall clock at which the validation loss first went below each compressor, and the wall
+clock and tokens to a fixed target loss (``--target``, 0.85 nats/byte by default).
 
 Each run is the real ``lab2-train`` in a fresh process (as a user runs it), with
 evaluations spread over the run; what comes back is read from its ``metrics.jsonl`` and
@@ -11,13 +12,18 @@ when the model starts to fit its training split better than text it has not seen
 
     python apps/trainer/benchmarks/quality.py --preset small --steps 3000 --out DIR
     python apps/trainer/benchmarks/quality.py --preset small --budget 600 --out DIR
+    python apps/trainer/benchmarks/quality.py --preset medium --budget 600 -- --data python-env
     python apps/trainer/benchmarks/quality.py --device cpu                # the main command
 
-``--budget SECONDS`` sizes ``--steps`` to the budget: a probe of 30 steps (a fresh process
-too, its time not counted) measures the start-up, the compilation and a steady step, and
-the run gets the steps that fill the rest, less the evaluations' share. The probe warms the
-compiler's caches, so the run's compilation is that of a second run. Anything after ``--``
-goes to ``lab2-train`` as it is.
+``--budget SECONDS`` sizes ``--steps`` so that the run's wall clock fills the budget. Two
+probes run first, fresh processes whose time is not counted: one step, which leaves warm
+what the run then finds warm (the compiler's caches, the corpus's cache), then
+:data:`PROBE_STEPS` steps logged every :data:`PROBE_LOG_EVERY`. A steady step's time is the
+median ``step_seconds`` of that probe's steps after :data:`PROBE_WARM_STEPS` (the first
+step compiles; the next ones still warm up and make the checkpoint's pinned buffers); what
+the run spends apart from its steps and evaluations is the probe's wall clock less its
+steps at that time and its evaluation (:func:`size_run`). Anything after ``--`` goes to
+``lab2-train`` as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,25 +40,50 @@ from pathlib import Path
 from typing import Any
 
 EVALS = 20  # evaluations spread over a run
-PROBE_STEPS = 30
+#: The measuring probe of ``--budget``: its steps, its fetch windows (each window's mean is
+#: its steps' ``step_seconds``), the steps before the steady ones, and its evaluation batches.
+PROBE_STEPS = 40
+PROBE_LOG_EVERY = 5
+PROBE_WARM_STEPS = 15
+PROBE_EVAL_BATCHES = 4
+#: The target validation loss of ``--target`` (nats/byte): 30% below xz -9e on the default
+#: corpus's validation split (1.1824 there).
+TARGET = 0.85
 
 
 def command(args: argparse.Namespace, out: Path, steps: int, *, probe: bool = False
             ) -> list[str]:
-    """The ``lab2-train`` command of a run (or of the budget's probe)."""
+    """The ``lab2-train`` command of a run (or of a ``--budget`` probe): the trainer's
+    defaults (precision and compilation left to the device), one process on a GPU."""
     cmd = [sys.executable, "-m", "lab2_trainer.cli", "--preset", args.preset,
-           "--steps", str(steps), "--out", str(out), "--quiet", "--sample-tokens", "0",
-           "--log-every", "50"]
+           "--steps", str(steps), "--out", str(out), "--quiet", "--sample-tokens", "0"]
     if args.device == "cuda":
-        cmd += ["--device", "cuda", "--nproc", "1", "--precision", "bf16", "--compile"]
+        cmd += ["--device", "cuda", "--nproc", "1"]
     else:
         cmd += ["--device", "cpu"]
     if probe:
-        cmd += ["--eval-every", "0", "--eval-batches", "1", "--no-plot"]
+        cmd += ["--log-every", str(PROBE_LOG_EVERY), "--eval-every", "0",
+                "--eval-batches", str(PROBE_EVAL_BATCHES)]
     else:
-        cmd += ["--eval-every", str(max(1, steps // EVALS)),
+        cmd += ["--log-every", "50", "--eval-every", str(eval_every(steps)),
                 "--eval-batches", str(args.eval_batches)]
     return cmd + args.extra
+
+
+def eval_every(steps: int) -> int:
+    """A run's ``--eval-every``: about :data:`EVALS` evaluations spread over it."""
+    return max(1, steps // EVALS)
+
+
+def eval_count(steps: int) -> int:
+    """The evaluations of a run of ``steps``: every ``eval_every`` steps, and at the end."""
+    every = eval_every(steps)
+    return steps // every + (steps % every != 0)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
 def run(cmd: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -60,35 +92,67 @@ def run(cmd: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if done.returncode != 0:
         raise SystemExit(f"lab2-train failed ({done.returncode}):\n{done.stderr[-3000:]}")
     out = Path(cmd[cmd.index("--out") + 1])
-    records = [json.loads(line) for line in
-               (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    return records, json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return (read_records(out / "metrics.jsonl"),
+            json.loads((out / "summary.json").read_text(encoding="utf-8")))
+
+
+def steady_step_seconds(records: list[dict[str, Any]], warm_steps: int = PROBE_WARM_STEPS
+                        ) -> float:
+    """A steady step's seconds: the median ``step_seconds`` of the steps after
+    ``warm_steps`` (of every step after the first when there are none)."""
+    steady = [r["step_seconds"] for r in records if r["step"] > warm_steps] or [
+        r["step_seconds"] for r in records if r["step"] > 1]
+    if not steady:
+        raise ValueError("the probe logged no step after its first")
+    return statistics.median(steady)
+
+
+def size_run(records: list[dict[str, Any]], summary: dict[str, Any], budget: float,
+             eval_batches: int) -> tuple[int, dict[str, Any]]:
+    """The steps that fill ``budget`` seconds, from the measuring probe's records and
+    summary; and the figures it used.
+
+    A run's wall clock is its fixed part (start-up, compilation, the first steps' warm-up,
+    the last checkpoint, the plot), its steps at a steady step's time, and its evaluations
+    (:func:`eval_count` of ``eval_batches``). The probe's fixed part is its wall clock less
+    its steps at that time and its evaluation (the probe ran warm, as the run will); an
+    evaluation batch costs the probe's evaluation over its batches. The run gets the most
+    steps whose wall clock stays within the budget (at least the probe's).
+    """
+    step_s = steady_step_seconds(records)
+    clock = summary["wall_clock"]
+    eval_batch_s = clock["evaluation_s"] / PROBE_EVAL_BATCHES
+    fixed = max(0.0, clock["wall_s"] - summary["steps"] * step_s - clock["evaluation_s"])
+
+    def evaluating(steps: int) -> float:
+        return eval_count(steps) * eval_batches * eval_batch_s
+
+    steps = max(PROBE_STEPS, int((budget - fixed) / step_s))
+    while steps > PROBE_STEPS and fixed + steps * step_s + evaluating(steps) > budget:
+        steps -= 1
+    return steps, {"probe_step_s": step_s, "probe_fixed_s": fixed,
+                   "probe_eval_batch_s": eval_batch_s, "planned_eval_s": evaluating(steps),
+                   "planned_wall_s": fixed + steps * step_s + evaluating(steps)}
 
 
 def budget_steps(args: argparse.Namespace, root: Path) -> tuple[int, dict[str, Any]]:
-    """The steps that fill ``args.budget`` seconds of wall clock, from a probe run."""
-    _, probe = run(command(args, root / "probe", PROBE_STEPS, probe=True))
-    clock = probe["wall_clock"]
-    tokens = probe["tokens"] / probe["steps"]
-    step_s = tokens / probe["step_tokens_per_s"]
-    fixed = clock["startup_s"] + clock["compilation_s"] + clock["other_s"] + clock[
-        "checkpoint_s"]
-    # The run's evaluations: EVALS + 1 of eval_batches forward passes, a forward about a
-    # third of a step's work.
-    evaluating = (EVALS + 1) * args.eval_batches * step_s / 3
-    steps = max(PROBE_STEPS, int((args.budget - fixed - evaluating) / step_s))
-    return steps, {"probe_step_s": step_s, "probe_fixed_s": fixed}
+    """The steps that fill ``args.budget`` seconds of wall clock, from two probe runs: one
+    step to warm the caches, then the measuring probe (:func:`size_run`)."""
+    run(command(args, root / "warm", 1, probe=True))
+    records, summary = run(command(args, root / "probe", PROBE_STEPS, probe=True))
+    return size_run(records, summary, args.budget, args.eval_batches)
 
 
 def evaluations(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per evaluation: step, wall clock, mean training loss since the previous
-    evaluation, validation loss."""
+    """One row per evaluation: step, wall clock, tokens trained on, mean training loss since
+    the previous evaluation, validation loss."""
     rows, window = [], []
     for r in records:
         window.append(r["loss"])
         if "val_loss" in r:
             rows.append({"step": r["step"], "wall_s": r["wall_clock"]["wall_s"],
-                         "train": sum(window) / len(window), "val": r["val_loss"]})
+                         "tokens": r.get("tokens"), "train": sum(window) / len(window),
+                         "val": r["val_loss"]})
             window = []
     return rows
 
@@ -97,13 +161,32 @@ def first_below(rows: list[dict[str, Any]], figure: float) -> dict[str, Any] | N
     return next((r for r in rows if r["val"] < figure), None)
 
 
-def report(rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+def time_to_target(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The first evaluation at or below ``target``: its wall clock, tokens and step (None
+    each when the run never got there)."""
+    hit = next((r for r in rows if r["val"] <= target), None)
+    return {"target": target, "target_s": hit and hit["wall_s"],
+            "target_tokens": hit and hit["tokens"], "target_step": hit and hit["step"]}
+
+
+def target_text(result: dict[str, Any]) -> str:
+    """``"reached 0.85 at 52 s (24,576,000 tokens)"`` or ``"not reached"``."""
+    if result["target_s"] is None:
+        return "not reached"
+    tokens = result["target_tokens"]
+    return (f"reached {result['target']:g} at {result['target_s']:.0f} s"
+            + (f" ({tokens:,} tokens)" if tokens is not None else ""))
+
+
+def report(rows: list[dict[str, Any]], summary: dict[str, Any],
+           target: float = TARGET) -> dict[str, Any]:
     compression = summary["compression"]
     best = min(rows, key=lambda r: r["val"])
     out = {"final_val": rows[-1]["val"], "final_train": rows[-1]["train"],
            "best_val": best["val"], "best_step": best["step"], "best_wall_s": best["wall_s"],
            "wall_s": summary["wall_clock"]["wall_s"], "steps": summary["steps"],
-           "tokens": summary["tokens"], **{k: v for k, v in compression.items()}}
+           "tokens": summary["tokens"], **{k: v for k, v in compression.items()},
+           **time_to_target(rows, target)}
     for name, figure in compression.items():
         hit = first_below(rows, figure)
         out[f"below_{name}_s"] = hit["wall_s"] if hit else None
@@ -126,10 +209,14 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
               f"({result['val_vs_xz']:+.1%} against xz) |",
               f"| best validation loss | {result['best_val']:.4f} at step {result['best_step']}"
               f" ({result['best_vs_xz']:+.1%} against xz) |",
-              f"| final training loss | {result['final_train']:.4f} |", "",
+              f"| final training loss | {result['final_train']:.4f} |",
+              f"| target {result['target']:g} | {target_text(result)} |", "",
               f"Wall clock {result['wall_s']:.0f} s for {result['steps']} steps; validation "
               f"below gzip at {when(result['below_gzip_s'])}, below xz at "
               f"{when(result['below_xz_s'])}."]
+    if result.get("budget_s"):
+        lines.append(f"Budget {result['budget_s']:.0f} s: the run took {result['wall_s']:.0f} "
+                     f"s ({result['wall_s'] / result['budget_s']:.0%}).")
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +232,7 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any], path: Path) -> None
     ax.plot(wall, [r["val"] for r in rows], "o-", ms=3, label="validation")
     ax.axhline(result["gzip"], color="black", ls=":", lw=1, label="gzip -9")
     ax.axhline(result["xz"], color="black", ls="-.", lw=1, label="xz -9e")
+    ax.axhline(result["target"], color="grey", ls="--", lw=1, label=f"target {result['target']:g}")
     ax.set_xlabel("wall clock since launch (s)")
     ax.set_ylabel("nats / byte")
     ax.set_ylim(top=max(result["gzip"] * 1.6, min(r["val"] for r in rows) * 1.2))
@@ -166,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="default: the preset's run default (200), or "
                    "what --budget fills")
     p.add_argument("--budget", type=float, metavar="SECONDS",
-                   help="size --steps to this wall clock (a probe run measures it first)")
+                   help="size --steps to this wall clock (two probe runs measure it first)")
     p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--target", type=float, default=TARGET, metavar="LOSS",
+                   help=f"report the wall clock and tokens to this validation loss, nats/byte "
+                   f"(default {TARGET})")
     p.add_argument("--out", type=Path, help="write quality.jsonl, quality.md, quality.png here")
     args = p.parse_args(argv)
     args.extra = extra
@@ -179,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --steps or --budget, not both")
     if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
         p.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    if not (math.isfinite(args.target) and args.target > 0):
+        p.error(f"--target must be a positive loss, got {args.target}")
     root = Path(tempfile.mkdtemp(prefix="lab2-quality-"))
     sizing: dict[str, Any] = {}
     steps = args.steps or 200
@@ -188,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     records, summary = run(cmd)
     rows = evaluations(records)
     result = {"preset": args.preset, "device": args.device, "budget_s": args.budget,
-              **sizing, **report(rows, summary), "command": cmd[1:],
+              **sizing, **report(rows, summary, args.target), "command": cmd[1:],
+              "budget_fill": None if args.budget is None else summary["wall_clock"]["wall_s"]
+              / args.budget,
               "settings": summary["settings"], "setup": summary["setup"]}
     text = markdown(result, rows)
     print(text, end="")

@@ -13,7 +13,8 @@
   to get one: a preset's fields with any of them overridden, checked before it is returned.
 * Training settings: every knob of a run in :class:`TrainSettings`, checked before any
   rank starts. Defaults that depend on the device and the number of ranks (``nproc``,
-  ``ddp``, ``sharding``) are None until :meth:`TrainSettings.resolve` fills them.
+  ``ddp``, ``sharding``) are None until :meth:`TrainSettings.resolve` fills them, and so
+  are ``precision`` and ``compile`` left to the device ("auto": :func:`device_defaults`).
   :func:`to_toml` and :func:`from_toml` write and read the flat TOML (``settings.toml`` in
   every run folder) that ``--config`` takes.
 
@@ -290,6 +291,18 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 DEVICE_TYPES = ("cpu", "cuda")
 #: Local ranks when ``nproc`` is not given, by device type.
 DEFAULT_NPROC = {"cpu": 2, "cuda": 1}
+#: The value of a setting left to the device (``--precision auto``, ``--compile auto``).
+AUTO = "auto"
+#: The settings a run may leave to its device, in field order.
+AUTO_SETTINGS = ("precision", "compile")
+
+
+def device_defaults(device_type: str, bf16: bool) -> dict[str, Any]:
+    """The settings left to the device (:data:`AUTO_SETTINGS`) on it: bf16 and compilation
+    (``--compile-scope``) on a CUDA device with bf16 (``torch.cuda.is_bf16_supported()``),
+    else fp32 and eager (the CPU's: there they cost more than they save)."""
+    fast = device_type == "cuda" and bf16
+    return {"precision": "bf16" if fast else "fp32", "compile": fast}
 
 
 def default_layout(world_size: int, sharding: str | None, ddp: str | None
@@ -334,7 +347,8 @@ class TrainSettings:
     """The model's shape."""
     data: str | None = setting(None, group="data", default_text="this Python's "
                                "standard-library sources")
-    """Text file, folder, or .npy/.bin token array."""
+    """Text file, folder, .npy/.bin token array, or python-env: every .py source of this
+    Python (standard library and site-packages), validated on the default corpus's split."""
     vocab_size: int | None = setting(None, flag=False)
     """Vocabulary of a token-array corpus (None: bytes); ``--vocab-size`` sets it and the
     model's."""
@@ -361,10 +375,14 @@ class TrainSettings:
     """AdamW's second-moment decay."""
     clip: float = setting(1.0, group="optimisation")
     """Gradient-norm clip (0 turns it off)."""
-    precision: str = setting("fp32", choices=tuple(PRECISIONS), group="optimisation")
-    """Autocast precision of the forward pass."""
-    compile: bool = setting(False, group="optimisation")
-    """Compile the model with ``torch.compile`` (what --compile-scope says)."""
+    precision: str = setting(AUTO, choices=(AUTO, *PRECISIONS), group="optimisation",
+                             default_text="auto: bf16 on a CUDA device with bf16, else fp32")
+    """Autocast precision of the forward pass; "auto" leaves it to the device."""
+    compile: bool | None = setting(None, group="optimisation", default_text="auto: on with a "
+                                   "CUDA device with bf16, else off")
+    """Compile the model with ``torch.compile`` (what --compile-scope says): --compile (or
+    --compile on), --no-compile (--compile off), or --compile auto, which leaves it to the
+    device."""
     compile_scope: str = setting("blocks", choices=COMPILE_SCOPES, group="optimisation")
     """What --compile compiles: "blocks" (regional compilation: each block on its own, one
     graph serving every block, and the embedding and the head; compiles in seconds) or
@@ -467,21 +485,52 @@ class TrainSettings:
     """Draw loss_curve.png at the end."""
     device_type: str = setting("cpu", choices=DEVICE_TYPES, flag=False)
     """The device the ranks run on, resolved from ``device``."""
+    auto: str = setting("", flag=False)
+    """The settings left to the device (of precision and compile), comma-separated, with the
+    device's values: a new run (a rerun of its settings.toml too) chooses them for its own
+    device; a resumed run keeps its checkpoint's values (and lists)."""
 
-    def resolve(self, world_size: int | None = None, device_type: str | None = None
-                ) -> TrainSettings:
+    def __post_init__(self) -> None:
+        # Never "auto" once made: as on the CPU until resolve() knows the device.
+        self.choose_for_device(None)
+
+    def choose_for_device(self, bf16: bool | None, only: Any = AUTO_SETTINGS
+                          ) -> TrainSettings:
+        """Fill the settings left to the device ("auto", None for compile, or listed in
+        ``auto``) for ``device_type``, and list them in ``auto``.
+
+        Args:
+            bf16: whether the device computes in bf16; None: not known, so only those
+                still "auto" are filled, as on the CPU.
+            only: the names chosen again when ``bf16`` is known (the others keep their
+                values unless still "auto").
+        """
+        listed = self.auto.split(",") if isinstance(self.auto, str) else []
+        unset = {"precision": self.precision == AUTO, "compile": self.compile is None}
+        names = [n for n in AUTO_SETTINGS if n in listed or unset[n]]
+        chosen = device_defaults(self.device_type, bool(bf16))
+        for name in names:
+            if bf16 is not None and name in only or getattr(self, name) in (AUTO, None):
+                setattr(self, name, chosen[name])
+        self.auto = ",".join(names)
+        return self
+
+    def resolve(self, world_size: int | None = None, device_type: str | None = None,
+                bf16: bool | None = None) -> TrainSettings:
         """Fill the defaults that depend on the device and the number of ranks.
 
         Args:
             world_size: the ranks there are (under torchrun); None: ``nproc``, or
                 :data:`DEFAULT_NPROC` of the device type.
             device_type: "cpu" or "cuda" (None: keep ``device_type``).
+            bf16: whether the device computes in bf16 (:meth:`choose_for_device`).
 
         Raises:
             ValueError: a bad ``nproc``.
         """
         if device_type is not None:
             self.device_type = device_type
+        self.choose_for_device(bf16)
         _integer(flag("nproc"), self.nproc, 1)
         if world_size is None:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
@@ -518,6 +567,8 @@ class TrainSettings:
             _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
         _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
         _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"{flag('compile')} must be on, off or auto, got {self.compile!r}")
         _one_of(flag("compile_scope"), self.compile_scope, COMPILE_SCOPES)
         _one_of(flag("backward_thread"), self.backward_thread, BACKWARD_THREADS)
         _one_of(flag("activation_checkpointing"), self.activation_checkpointing,
@@ -543,6 +594,8 @@ class TrainSettings:
                 raise ValueError(f"{flag('profile_steps')} {self.profile_steps} ends after the "
                                  f"run's last step ({flag('steps')} {self.steps})")
         _one_of(flag("device_type"), self.device_type, DEVICE_TYPES)
+        if not (isinstance(self.auto, str) and {*self.auto.split(",")} <= {"", *AUTO_SETTINGS}):
+            raise ValueError(f"auto must list {' and '.join(AUTO_SETTINGS)}, got {self.auto!r}")
 
     def validate(self, world_size: int) -> TrainSettings:
         """Check the settings for ``world_size`` ranks (resolving what is still unset);
@@ -555,6 +608,7 @@ class TrainSettings:
                              "eps divides by zero in the norm of a row of zeros")
         if self.ddp is None or self.sharding is None or self.nproc is None:
             self.resolve(world_size)
+        self.choose_for_device(None)  # any set to "auto" since
         self.fill_recipe()
         self.check()
         if not 0 <= self.min_lr <= self.lr:
@@ -648,7 +702,7 @@ def to_toml(settings: TrainSettings) -> str:
     lines = ["# lab2-train settings: lab2-train --config settings.toml [flags] reruns them"]
     for f in dataclasses.fields(settings):
         value = settings.device_type if f.name == "device" else getattr(settings, f.name)
-        if f.name not in _NOT_WRITTEN and value is not None:
+        if f.name not in _NOT_WRITTEN and value is not None and (value or f.name != "auto"):
             lines.append(f"{f.name} = {_toml_value(value)}")
     lines += ["", "[model]"]
     for f in dataclasses.fields(settings.model):
@@ -702,6 +756,8 @@ def from_toml(text: str, source: str = "settings") -> tuple[dict[str, Any], dict
                 raise ValueError(f"{source}: preset must be a string (a preset's name), got "
                                  f"{value!r}")
             train[key] = value
+        elif key == "compile" and value == AUTO:
+            train[key] = None  # left to the device
         elif key in train_fields:
             train[key] = _typed(f"{source}: ", train_fields[key], value)
         else:

@@ -5,7 +5,9 @@ never work costs one line and exit code 2:
   micro-batch) fit the memory this machine has (a lower bound: a run refused here could
   never have run), counted by arithmetic on the configuration
   (:mod:`lab2_trainer.models.shapes`), so that an absurd size is refused at once;
-* :func:`check_compile`: ``--compile-backend`` and ``--compile-mode`` are torch.compile's.
+* :func:`check_compile`: ``--compile-backend`` and ``--compile-mode`` are torch.compile's;
+* :func:`bf16_supported`: whether the device computes in bf16, which ``--precision`` and
+  ``--compile`` left to the device (``auto``) are chosen by.
 
 (Paths are checked by :mod:`lab2_trainer.runtime.paths`, a checkpoint's fit by
 :mod:`lab2_trainer.checkpoint.compat`, each setting's own range by its field in
@@ -32,6 +34,19 @@ PROCESS_BYTES = 200 * 1024**2
 #: torch.compile's own backends, which ``torch._dynamo.list_backends()`` may leave out of
 #: its default listing (it hides the "debug" ones, aot_eager and eager among them).
 BUILTIN_BACKENDS = ("inductor", "eager", "aot_eager")
+
+
+def bf16_supported(device_type: str) -> bool:
+    """Whether the ranks' device computes in bf16: a CUDA device that
+    ``torch.cuda.is_bf16_supported()`` says does (Ampere and later); never the CPU."""
+    if device_type != "cuda":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    except Exception:  # noqa: BLE001 (no usable CUDA here: the ranks will say it)
+        return False
 
 
 def check_compile(backend: str, mode: str | None) -> None:

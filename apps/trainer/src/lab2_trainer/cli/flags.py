@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from lab2_trainer.config import (
+    AUTO,
     PRESETS,
     ModelConfig,
     TrainSettings,
@@ -37,6 +38,22 @@ def _default_text(cls: type, f) -> str:
     return str(f.default)
 
 
+class OnOffAuto(argparse.Action):
+    """A bool setting that may be left to the device: ``--X`` or ``--X on`` (True),
+    ``--X off`` (False), ``--X auto`` (:data:`AUTO`: the device's choice); ``--no-X``, a
+    flag of its own (:func:`add_setting_flag`), is ``--X off``."""
+
+    VALUES = {"on": True, "off": False, AUTO: AUTO}
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        kw.update(nargs="?", const="on", choices=list(self.VALUES))
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, self.VALUES[values])
+
+
 def add_setting_flag(group: Any, cls: type, f: Any) -> None:
     """Add the flag of setting field ``f`` of ``cls`` to ``group`` (a parser or a group):
     its type, choices and doc, and a None default, so that a given value can be told
@@ -44,7 +61,12 @@ def add_setting_flag(group: Any, cls: type, f: Any) -> None:
     meta, doc = f.metadata, field_docs(cls).get(f.name, "").replace("``", "")
     kind = str(f.type).split(" |")[0]
     kw: dict[str, Any] = {"dest": f.name, "default": None}
-    if kind == "bool":
+    if kind == "bool" and f.default is None:  # None: left to the device
+        kw["action"] = OnOffAuto
+        # --no-X as the bool flags have it; the doc of --X says so (listed once in --help).
+        group.add_argument("--no-" + flag(f.name)[2:], dest=f.name, action="store_const",
+                           const=False, default=None, help=argparse.SUPPRESS)
+    elif kind == "bool":
         kw["action"] = argparse.BooleanOptionalAction
     else:
         kw["type"] = {"int": int, "float": float}.get(kind, str)

@@ -20,6 +20,8 @@ from typing import Any
 from lab2_trainer import __version__
 from lab2_trainer.cli.flags import GROUPS, add_setting_flag, setting_fields
 from lab2_trainer.config import (
+    AUTO,
+    AUTO_SETTINGS,
     EXIT_BAD_INPUT,
     PRESETS,
     ModelConfig,
@@ -96,6 +98,12 @@ def given_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
         value = getattr(args, f.name, None)
         if value is None:
             continue
+        if f.name in AUTO_SETTINGS:
+            if "auto" in train:  # given here: the file's choice for the device gives way
+                listed = str(train["auto"]).split(",")
+                train["auto"] = ",".join(n for n in listed if n and n != f.name)
+            if value == AUTO and f.name == "compile":
+                value = None  # left to the device
         if cls is ModelConfig:
             model[f.name] = value
             if f.name == "vocab_size":  # --vocab-size: the data's vocabulary, too
@@ -170,7 +178,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     from lab2_trainer.checkpoint.compat import check_checkpoint_fits, check_sharded_checkpoint_fits
     from lab2_trainer.checkpoint.folders import has_checkpoint
     from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
-    from lab2_trainer.cli.checks import check_compile, check_memory
+    from lab2_trainer.cli.checks import bf16_supported, check_compile, check_memory
     from lab2_trainer.data.batches import check_batch_layout
     from lab2_trainer.data.corpus import load_corpus
     from lab2_trainer.runtime.paths import check_input_path, check_out_path, check_path_length
@@ -237,8 +245,13 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
             raise UsageError(f"{settings.out} holds a checkpoint: pass --resume to continue "
                              "that run, or choose another --out (nothing was overwritten)")
     try:
-        # The defaults that depend on the device and the ranks: nproc, ddp, sharding.
+        # The defaults that depend on the device and the ranks: nproc, ddp, sharding; and
+        # the settings left to the device (precision, compile), of which a resumed run
+        # chooses again only those given as "auto" (it keeps its checkpoint's others).
+        again = [n for n in AUTO_SETTINGS if n in explicit and explicit[n] in (AUTO, None)]
         world_size = settings.resolve(torchrun_world, device_type).nproc
+        settings.choose_for_device(bf16_supported(device_type),
+                                   again if ckpt is not None else AUTO_SETTINGS)
         settings.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -325,6 +338,9 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
     """
     keep = {f.name: getattr(saved, f.name) for f in fields(TrainSettings)
             if f.name not in NOT_RESUMED}
+    # The checkpoint's precision and compilation are kept as they were chosen, also on
+    # another device (resolve_settings); one given is no longer the device's choice.
+    keep["auto"] = ",".join(n for n in str(saved.auto).split(",") if n and n not in explicit)
     new_layout = (any(n in explicit for n in LAYOUT_FIELDS) or device_type != saved.device_type
                   or (torchrun_world is not None and torchrun_world != saved.nproc))
     if new_layout:

@@ -21,12 +21,15 @@ from typing import Any
 from lab2_trainer.cli.flags import add_setting_flag, setting_fields
 from lab2_trainer.config import (
     ACTIVATION_CHECKPOINTING,
+    AUTO,
+    AUTO_SETTINGS,
     EXIT_BAD_INPUT,
     PRESETS,
     SHARDING_KINDS,
     ModelConfig,
     TrainSettings,
     UsageError,
+    device_defaults,
     model_config,
 )
 from lab2_trainer.planner.layout import recommend
@@ -105,6 +108,10 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                              f"{getattr(args, name)}")
     run = {name: _given(args, TrainSettings, name) for name in RUN_SETTINGS}
+    # Left to the device, as by lab2-train: the GPU planned computes in bf16.
+    for name in AUTO_SETTINGS:
+        if run[name] in (AUTO, None):
+            run[name] = device_defaults("cuda", bf16=True)[name]
     if run["grad_accum"] < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {run['grad_accum']}")
     if run["tp"] < 1:

@@ -2,13 +2,20 @@
 the compressors' figures on the validation split. Batches are cut from them by
 :mod:`lab2_trainer.data.batches`.
 
-Three sources:
+Four sources:
 
 * the default corpus: the running interpreter's standard-library ``.py`` sources as bytes
   (vocabulary 256), split into train and validation *by file* with a hash of each file's
   path, so the split never changes with the order files are found in; the two token
   arrays are cached on disk after the first read, with their CRC-32s (a cache that does
   not match them is rebuilt, with a note);
+* ``--data python-env``: every ``.py`` source of the running environment, the standard
+  library and each site-packages folder on ``sys.path`` (about 130 MB where torch is
+  installed), each content once, for training; its validation split *is* the default
+  corpus's, and no file with the content of one of its files is trained on, so the two
+  corpora's validation losses are the same measurement. The training array is streamed to
+  the cache (checksummed as the default corpus's) and memory-mapped from there: a long run
+  holds no copy of it in memory;
 * ``--data PATH`` naming a text file or a directory of text files (bytes, split by file
   the same way; a single file is split 95/5 by position);
 * ``--data PATH`` naming a token array: a ``.npy`` file or a raw ``.bin`` of uint16
@@ -22,15 +29,20 @@ import hashlib
 import json
 import math
 import os
+import stat
 import sys
 import sysconfig
+import time
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from lab2_trainer.config import UsageError
+from lab2_trainer.runtime.paths import open_regular
 from lab2_trainer.runtime.run_folder import atomic_write
 
 VAL_PERCENT = 5  # share of files (or of tokens, for single files) held out for validation
@@ -110,14 +122,15 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
     atomic_write(path, lambda f: np.save(f, array))
 
 
-def load_stdlib_corpus(*, use_cache: bool = True) -> Corpus:
+def load_stdlib_corpus(*, use_cache: bool = True, root: Path | None = None) -> Corpus:
     """The standard library's ``.py`` files as bytes, split by file; cached after one read.
 
     Args:
         use_cache: read and write the cached arrays (several ranks may build it at once:
             every write is atomic and the content is the same).
+        root: the folder read (None: :func:`stdlib_root`; tests pass a small one).
     """
-    root = stdlib_root()
+    root = stdlib_root() if root is None else root
     if not root.is_dir():
         raise DataError(f"standard library directory not found: {root}")
     key = hashlib.sha1(f"{root}|{sys.version}|{VAL_PERCENT}|v1".encode()).hexdigest()[:16]
@@ -180,6 +193,241 @@ def _cache_damage(folder: Path, files: tuple[Path, ...]) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------- python-env
+#: ``--data python-env``: every Python source of the running environment (a name, not a
+#: path: a folder of that name is ``--data ./python-env``).
+PYTHON_ENV = "python-env"
+#: Larger source files are skipped by the python-env build: generated tables and bundled
+#: data, not code anyone wrote (a few dozen of the ~50,000 files of an environment with torch).
+MAX_SOURCE_BYTES = 1 << 20
+#: The most training bytes the python-env build writes; the files beyond are skipped and
+#: counted (an environment with torch holds about 130 MB).
+MAX_ENV_BYTES = 4 << 30
+#: Seconds between the progress lines of a python-env build.
+PROGRESS_EVERY_S = 5.0
+#: Folders never entered by the python-env build: bytecode, and environments nested in a
+#: root (a virtual environment's site-packages inside the standard library's folder).
+_SKIP_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
+
+
+def site_packages_dirs() -> list[Path]:
+    """The site-packages (and dist-packages) folders on ``sys.path``, in its order, each
+    once."""
+    found: list[Path] = []
+    for entry in sys.path:
+        p = Path(entry or ".")
+        if p.name in ("site-packages", "dist-packages") and p.is_dir():
+            p = p.resolve()
+            if p not in found:
+                found.append(p)
+    return found
+
+
+def environment_roots() -> tuple[Path, list[Path]]:
+    """Where ``--data python-env`` reads: (the standard library, the site-packages folders
+    on ``sys.path``)."""
+    return stdlib_root(), site_packages_dirs()
+
+
+@dataclass
+class EnvBuild:
+    """What a python-env build read and what it left out (files, except ``bytes``)."""
+
+    files: int = 0
+    """Files written to the training array."""
+    bytes: int = 0
+    """Their bytes: the training tokens."""
+    duplicates: int = 0
+    """Files whose content an earlier file already had."""
+    held_out: int = 0
+    """Files with the content of a validation file (the validation files themselves too)."""
+    too_large: int = 0
+    """Files over :data:`MAX_SOURCE_BYTES`."""
+    unreadable: int = 0
+    """Files that could not be read: no permission, broken links, FIFOs and devices."""
+    over_limit: int = 0
+    """Files past :data:`MAX_ENV_BYTES` of training bytes."""
+
+    def text(self) -> str:
+        skipped = [f"{n:,} {what}" for n, what in (
+            (self.duplicates, "duplicates"), (self.held_out, "copies of validation files"),
+            (self.too_large, f"over {MAX_SOURCE_BYTES >> 10:,} KiB"),
+            (self.unreadable, "unreadable"), (self.over_limit, "past the size limit")) if n]
+        return (f"{self.files:,} files, {self.bytes / 1e6:,.1f} MB for training"
+                + (f" (left out: {', '.join(skipped)})" if skipped else ""))
+
+
+def _python_files(root: Path) -> Iterator[Path]:
+    """Every ``*.py`` name under ``root``, sorted by relative path within each folder, the
+    folder's files before its subfolders; links to folders are not followed."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield Path(folder) / name
+
+
+def _read_source(path: Path, build: EnvBuild) -> bytes | None:
+    """A source file's bytes, or None (counted in ``build``) when it is too large or cannot
+    be read; never opens anything but a regular file."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            build.unreadable += 1
+            return None
+        if info.st_size > MAX_SOURCE_BYTES:
+            build.too_large += 1
+            return None
+        with open_regular(path) as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+    except OSError:
+        build.unreadable += 1
+        return None
+    if len(data) > MAX_SOURCE_BYTES:  # grew since the stat
+        build.too_large += 1
+        return None
+    return data
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _val_digests(stdlib: Path) -> set[bytes]:
+    """The content hashes of the default corpus's validation files."""
+    found = set()
+    for path in _source_files(stdlib, "*.py"):
+        if is_val_file(path.relative_to(stdlib).as_posix()):
+            found.add(_digest(path.read_bytes()))
+    return found
+
+
+def _env_sources(stdlib: Path, sites: list[Path], held_out: set[bytes],
+                 build: EnvBuild) -> Iterator[bytes]:
+    """The training files' bytes, each content once: the standard library, then each
+    site-packages folder; files whose content hashes to one of ``held_out`` (the
+    validation files') left out. Says how far it got every :data:`PROGRESS_EVERY_S`."""
+    seen: set[bytes] = set()
+    last = time.monotonic()
+    for root in (stdlib, *sites):
+        for path in _python_files(root):
+            data = _read_source(path, build)
+            if data is None:
+                continue
+            digest = _digest(data)
+            if digest in held_out:
+                build.held_out += 1
+            elif digest in seen:
+                build.duplicates += 1
+            elif build.bytes + len(data) > MAX_ENV_BYTES:
+                build.over_limit += 1
+            else:
+                seen.add(digest)
+                build.files += 1
+                build.bytes += len(data)
+                yield data
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                _say(f"reading the Python environment's sources: {build.text()} so far")
+
+
+def _say(line: str) -> None:
+    print(f"lab2-train: {line}", file=sys.stderr, flush=True)
+
+
+def _write_npy_stream(f: BinaryIO, chunks: Iterable[bytes]) -> int:
+    """Write ``chunks`` to ``f`` as one ``.npy`` array of uint8, streamed: the header is
+    written for an empty array, then again for the length once it is known (NumPy pads the
+    header so that the shape's digits never change its length). Returns the length."""
+    header = {"descr": np.dtype(np.uint8).str, "fortran_order": False, "shape": (0,)}
+    np.lib.format.write_array_header_1_0(f, header)
+    start = f.tell()
+    length = 0
+    for chunk in chunks:
+        f.write(chunk)
+        length += len(chunk)
+    f.seek(0)
+    np.lib.format.write_array_header_1_0(f, {**header, "shape": (length,)})
+    if f.tell() != start:
+        raise ValueError(f"the .npy header grew from {start} to {f.tell()} bytes")
+    f.seek(0, os.SEEK_END)
+    return length
+
+
+def _env_key(stdlib: Path, sites: list[Path]) -> str:
+    """The cache key of an environment: the interpreter, the limits, and each site-packages
+    folder's listing (an install, an upgrade or a removal changes it: each package has a
+    ``<name>-<version>.dist-info`` there)."""
+    h = hashlib.sha1(f"{stdlib}|{sys.version}|{VAL_PERCENT}|{MAX_SOURCE_BYTES}|"
+                     f"{MAX_ENV_BYTES}|v1".encode())
+    for site in sites:
+        try:
+            names = sorted(os.listdir(site))
+        except OSError:
+            names = []
+        h.update(f"|{site}:".encode(errors="surrogateescape"))
+        h.update("\0".join(names).encode(errors="surrogateescape"))
+    return h.hexdigest()[:16]
+
+
+def load_python_env_corpus(*, use_cache: bool = True,
+                           roots: tuple[Path, list[Path]] | None = None) -> Corpus:
+    """``--data python-env``: every ``.py`` file of the running environment (see the module
+    docstring), with the default corpus's validation split; built once, then memory-mapped
+    from the cache.
+
+    Args:
+        use_cache: read and write the cache (without it the array is built in memory).
+        roots: (standard library, site-packages folders) to read instead of
+            :func:`environment_roots`'s (tests pass small folders).
+    """
+    stdlib, sites = environment_roots() if roots is None else roots
+    if not stdlib.is_dir():
+        raise DataError(f"standard library directory not found: {stdlib}")
+    val = load_stdlib_corpus(use_cache=use_cache, root=stdlib).val
+    key = _env_key(stdlib, sites)
+    source = f"{PYTHON_ENV}:{key}"
+    folder = cache_dir() / f"{PYTHON_ENV}-{key}"
+    train_path = folder / "train.npy"
+    if use_cache and train_path.is_file():
+        damage = _cache_damage(folder, (train_path,))
+        if damage is None:
+            try:
+                return Corpus(np.load(train_path, mmap_mode="r"), val, 256, source,
+                              is_bytes=True)
+            except (OSError, ValueError):
+                damage = "it cannot be read"
+        if damage != "unsealed":
+            _say(f"note: the corpus cache {folder} is damaged ({damage}); rebuilding it")
+    where = ", ".join(str(p) for p in (stdlib, *sites))
+    _say(f"building the {PYTHON_ENV} corpus from every .py file under {where} (once: it is "
+         "cached)")
+    held_out = _val_digests(stdlib)
+    build = EnvBuild()
+    train = None
+    if use_cache:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(train_path, lambda f: _write_npy_stream(
+                f, _env_sources(stdlib, sites, held_out, build)))
+            # Written last: a cache is used only once its checksum is there and matches.
+            sums = json.dumps({train_path.name: _file_crc(train_path)}).encode()
+            atomic_write(folder / CACHE_CHECKSUMS, lambda f: f.write(sums))
+            train = np.load(train_path, mmap_mode="r")
+        except OSError as exc:
+            _say(f"note: cannot write the corpus cache {folder} ({exc.strerror or exc}): "
+                 "the corpus is held in memory")
+            build = EnvBuild()
+    if train is None:
+        data = b"".join(_env_sources(stdlib, sites, held_out, build))
+        train = np.frombuffer(data, dtype=np.uint8)
+    if build.files == 0:
+        raise DataError(f"--data {PYTHON_ENV}: no Python source to train on under {where}")
+    _say(f"{PYTHON_ENV} corpus: {build.text()}"
+         + (f"; cached in {folder}" if use_cache and isinstance(train, np.memmap) else ""))
+    return Corpus(train, val, 256, source, is_bytes=True)
+
+
 def _load_token_array(path: Path) -> np.ndarray:
     try:
         if path.suffix == ".npy":
@@ -214,16 +462,18 @@ def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpu
     """Load the corpus named by ``path`` (see the module docstring); ``None`` is the stdlib.
 
     Args:
-        path: text file, directory, ``.npy``/``.bin`` token array, or ``None``.
+        path: text file, directory, ``.npy``/``.bin`` token array, ``"python-env"``
+            (:data:`PYTHON_ENV`) or ``None``.
         vocab_size: required for token arrays; must be 256 (or omitted) for text.
 
     Raises:
         DataError: missing path, unreadable or empty data, tokens outside the vocabulary.
     """
-    if path is None:
+    if path is None or path == PYTHON_ENV:
         if vocab_size not in (None, 256):
-            raise DataError(f"the default byte corpus has vocabulary 256, not {vocab_size}")
-        return load_stdlib_corpus()
+            raise DataError(f"the {'default' if path is None else PYTHON_ENV} byte corpus has "
+                            f"vocabulary 256, not {vocab_size}")
+        return load_stdlib_corpus() if path is None else load_python_env_corpus()
     from lab2_trainer.runtime.paths import check_input_path
 
     if str(path) == "":

@@ -242,10 +242,25 @@ class RunReporter:
                                      "and the recomputed forwards)")
         elif "mfu" in summary:
             table.add_row("MFU", "not reported (no known bf16 peak for this device)")
+        if summary.get("settings"):
+            table.add_row("precision", precision_text(summary["settings"]))
         table.add_row("setup", summary["setup"])
         for name, path in outputs.items():
             table.add_row(name, path)
         self.print(table)
+
+
+def precision_text(settings: dict[str, Any]) -> str:
+    """The run's precision and compilation, "(auto)" after each the device chose (settings
+    as ``TrainSettings.to_dict``): ``"bf16 (auto), compile blocks (auto)"``."""
+    chosen = str(settings.get("auto") or "").split(",")
+
+    def mark(name: str) -> str:
+        return " (auto)" if name in chosen else ""
+
+    compiled = (f"compile {settings.get('compile_scope', 'blocks')}" if settings.get("compile")
+                else "no compile")
+    return f"{settings.get('precision')}{mark('precision')}, {compiled}{mark('compile')}"
 
 
 def ratio_text(ratio: float) -> str:
