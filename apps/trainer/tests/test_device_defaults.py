@@ -21,7 +21,8 @@ from lab2_trainer.cli.main import (
 )
 from lab2_trainer.cli.plan import build_parser as plan_parser
 from lab2_trainer.cli.plan import plan_input
-from lab2_trainer.config import TrainSettings, UsageError, from_toml, to_toml
+from lab2_trainer.cli.settings_file import from_toml, to_toml
+from lab2_trainer.config import TrainSettings, UsageError
 from lab2_trainer.reporting.report import precision_text
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from lab2_trainer.cli.flags import setting_fields
 from lab2_trainer.cli.main import build_parser, main
-from lab2_trainer.config import ModelConfig, TrainSettings, field_docs, flag, from_toml, to_toml
+from lab2_trainer.cli.settings_file import from_toml, to_toml
+from lab2_trainer.config import ModelConfig, TrainSettings, field_docs, flag
 
 SMALL = ["--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",
          "--no-plot", "--nproc", "1", "--device", "cpu"]

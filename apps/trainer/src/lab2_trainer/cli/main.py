@@ -19,6 +19,7 @@ from typing import Any
 
 from lab2_trainer import __version__
 from lab2_trainer.cli.flags import GROUPS, add_setting_flag, setting_fields
+from lab2_trainer.cli.settings_file import from_toml
 from lab2_trainer.config import (
     AUTO,
     AUTO_SETTINGS,
@@ -29,7 +30,6 @@ from lab2_trainer.config import (
     UsageError,
     default_layout,
     flag,
-    from_toml,
     model_config,
 )
 from lab2_trainer.recipe.defaults import preset_run
@@ -514,7 +514,7 @@ def _claim_out(settings):
 def _write_settings(settings) -> None:
     """The resolved settings as ``settings.toml`` in the run folder (atomically), which
     ``--config`` takes back to rerun the run."""
-    from lab2_trainer.config import to_toml
+    from lab2_trainer.cli.settings_file import to_toml
     from lab2_trainer.runtime.run_folder import atomic_write_text
 
     atomic_write_text(Path(settings.out) / SETTINGS_NAME, to_toml(settings))
