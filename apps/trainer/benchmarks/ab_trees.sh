@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training step of one configuration in two source trees, this one and BASE (a checkout
+# The training step of one configuration in two source trees, this one (or NEW) and BASE (a checkout
 # of an earlier commit), each run in a fresh process on its own PYTHONPATH, in the order
 # A B B A per round: a change's cost at the step, with each tree measured twice a round as
 # its own control. Each run is `mfu.py --configs CONFIG --windows WINDOWS` (one GPU, bf16,
@@ -8,7 +8,7 @@
 #   BASE=../lab2-old CONFIG=xl:32x512 ROUNDS=2 OUT=runs/ab apps/trainer/benchmarks/ab_trees.sh
 #   (EXTRA="--device cpu" CONFIG=tiny:2x64 ROUNDS=1: a smoke run on the CPU)
 set -euo pipefail
-here="$(cd "$(dirname "$0")/../../.." && pwd)"
+here="$(cd "${NEW:-$(dirname "$0")/../../..}" && pwd)"
 base="$(cd "${BASE:?BASE: a checkout of the commit to compare with}" && pwd)"
 config="${CONFIG:-xl:32x512}"
 rounds="${ROUNDS:-2}"
