@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The training step of one configuration in two source trees, this one (or NEW) and BASE (a checkout
-# of an earlier commit), each run in a fresh process on its own PYTHONPATH, in the order
+# The training step of one configuration in two source trees, this one (or NEW) and BASE
+# (a checkout of an earlier commit), each run in a fresh process on its own PYTHONPATH, in the order
 # A B B A per round: a change's cost at the step, with each tree measured twice a round as
 # its own control. Each run is `mfu.py --configs CONFIG --windows WINDOWS` (one GPU, bf16,
 # compiled by default, the trainer's default stack); the tokens/s of every run go to OUT.
