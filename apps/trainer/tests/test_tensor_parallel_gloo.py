@@ -15,7 +15,8 @@ the data-parallel families over the data-parallel ranks.
   reduce-scatters of the same volume), plus the embedding, the head and the loss.
 * Each rank's storage of every cut matrix: 1/tp of the whole.
 * The trainer's loop (float32): a run on the mesh matches one process's run, loss for
-  loss, and samples from the gathered model.
+  loss, and samples from the gathered model; under bf16 autocast it follows one process's
+  bf16 run.
 
 One set of ranks per world size runs everything (starting ranks costs more than the
 steps); the tests read its results.
@@ -187,6 +188,11 @@ def _rank(rank, world_size, data, out):
                           .validate(world_size), ctx)
         trainer.run()
         results["trainer"] = trainer.parallel.full_model_state(rank)
+    if world_size == 2:  # under autocast
+        trainer = Trainer(trainer_settings(data, f"{out}/bf16", tp=2, sequence_parallel=True,
+                                           precision="bf16").validate(world_size), ctx)
+        trainer.run()
+        results["bf16"] = trainer.parallel.full_model_state(rank)
     return results
 
 
@@ -325,3 +331,23 @@ def test_the_trainer_on_a_mesh_matches_one_process(world_size, spawned, corpus_d
         assert abs(loss - rloss) < 1e-5 * rloss and abs(norm - rnorm) < 1e-4 * rnorm
         assert (val is None) == (rval is None) and (val is None or abs(val - rval) < 1e-5)
     assert (root / f"ws{world_size}" / "trainer" / "sample.txt").read_text()
+
+
+def test_the_trainer_on_a_mesh_under_bf16_autocast_follows_one_process(world_size, spawned,
+                                                                      corpus_dir):
+    _need_tp(world_size)
+    if world_size != 2:
+        pytest.skip("run at 2 ranks only")
+    root = Path(spawned.root)
+    ref = Trainer(trainer_settings(corpus_dir, root / "ref-bf16", precision="bf16"),
+                  DistContext())
+    ref.run()
+    expected = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    got = spawned(world_size)[0]["bf16"]
+    assert relative_error(expected, got) < 1e-2
+
+    def losses(out):
+        return [r["loss"] for r in map(json.loads, (Path(out) / "metrics.jsonl").open())]
+
+    for ours, theirs in zip(losses(root / "ws2" / "bf16"), losses(root / "ref-bf16")):
+        assert abs(ours - theirs) < 1e-2 * theirs

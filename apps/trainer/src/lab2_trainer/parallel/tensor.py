@@ -22,8 +22,16 @@ The fused ``qkv`` weight is ``[q; k; v]``, each ``[d, d]`` with one head per ``h
 rows. A rank needs q, k and v of the same heads, so each of the three is cut on its own
 and this rank's thirds are stacked: a local ``[3d / tp, d]`` whose output splits into this
 rank's q, k and v as the whole one does (the attention module's head count becomes
-``n_heads / tp``). The feed-forward is one parallel region: its input enters once (a
-forward pre-hook) for both ``w1`` and ``w3``, so backward sums one input gradient, not two.
+``n_heads / tp``).
+
+Each parallel region (attention, the feed-forward, the head) is entered once, by a forward
+pre-hook on its module: minitp's copy to the region (its backward sums the input gradient
+over the group), or under sequence parallelism its gather along the sequence. The
+feed-forward's ``w1`` and ``w3`` share one entry, so backward sums one input gradient, not
+two. The column layers inside then compute with ``F.linear``, which autocast casts as it
+casts any linear layer. (minitp's column layer can enter the region itself and overlap the
+input-gradient reduction with the weight gradient, but its backward multiplies autocast's
+half-precision gradient by the float32 weight and fails under ``--precision bf16``.)
 
 The head leaves each rank its slice of the vocabulary, ``[B, T, V / tp]``, and the model's
 ``loss_fn`` becomes ``minitp.vocab_parallel_cross_entropy``: the whole logits are never on
@@ -149,32 +157,33 @@ def shard_transformer(model: TransformerLM, group: Group = None, *,
     check_shardable(model.config, tp, sequence_parallel)
     layout = TensorLayout(group, tp, rank, sequence_parallel)
     sp = sequence_parallel
+    # Column layers whose input the caller brings into the region (the pre-hooks below).
     column = functools.partial(ColumnParallelLinear.from_linear, group=group,
-                               sequence_parallel=sp)
+                               sequence_parallel=sp, input_in_region=True)
     row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp)
+    enter = _enter_region(group, sp)
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
         attn, ffn = block.attn, block.ffn
         attn.qkv = _fused_column(attn.qkv, 3, layout)
         attn.proj = row(attn.proj)
         attn.n_heads //= tp
+        attn.register_forward_pre_hook(enter)
         layout.sharded[f"{prefix}.attn.qkv.weight"] = (0, 3)
         layout.sharded[f"{prefix}.attn.proj.weight"] = (1, 1)
+        ffn.w1 = column(ffn.w1)
         if ffn.w3 is not None:
-            # w1 and w3 read the same input: it enters the region once, for both.
-            ffn.w1 = column(ffn.w1, input_in_region=True)
-            ffn.w3 = column(ffn.w3, input_in_region=True)
-            ffn.register_forward_pre_hook(_enter_region(group, sp))
+            ffn.w3 = column(ffn.w3)
             layout.sharded[f"{prefix}.ffn.w3.weight"] = (0, 1)
-        else:
-            ffn.w1 = column(ffn.w1)
         ffn.w2 = row(ffn.w2)
+        ffn.register_forward_pre_hook(enter)  # w1 and w3: one entry for both
         layout.sharded[f"{prefix}.ffn.w1.weight"] = (0, 1)
         layout.sharded[f"{prefix}.ffn.w2.weight"] = (1, 1)
     tied = model.lm_head.weight is model.tok_emb.weight
     model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, group,
                                                           sequence_parallel=sp)
     model.lm_head = column(model.lm_head)
+    model.lm_head.register_forward_pre_hook(enter)
     if tied:  # one shard, shared again
         model.lm_head.weight = model.tok_emb.weight
     layout.sharded["tok_emb.weight"] = (0, 1)
@@ -191,7 +200,7 @@ def _fused_column(linear: nn.Linear, parts: int, layout: TensorLayout) -> Column
     equal blocks of rows, stacked."""
     layer = ColumnParallelLinear(linear.in_features, linear.out_features, layout.group,
                                  bias=False, sequence_parallel=layout.sequence_parallel,
-                                 device="meta")
+                                 input_in_region=True, device="meta")
     local = torch.cat([block.chunk(layout.tp, 0)[layout.rank]
                        for block in linear.weight.detach().chunk(parts, 0)])
     layer.weight = nn.Parameter(local.clone(), requires_grad=linear.weight.requires_grad)
@@ -199,8 +208,9 @@ def _fused_column(linear: nn.Linear, parts: int, layout: TensorLayout) -> Column
 
 
 def _enter_region(group: Group, sequence_parallel: bool):
-    """A forward pre-hook bringing a module's input into the parallel region once: copied
-    (its gradient summed over the group in backward), or gathered along the sequence."""
+    """A forward pre-hook bringing a module's input into the parallel region: copied (its
+    gradient summed over the group in backward), or gathered along the sequence (its
+    gradient reduce-scattered)."""
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
         x = gather_from_sequence(x, group, 1) if sequence_parallel else copy_to_region(x, group)
