@@ -433,7 +433,8 @@ class TrainSettings:
     """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
     and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
     are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
-    data-parallel ranks. 1: none."""
+    data-parallel ranks. 1: none. Not yet with --compile, checkpoints (no --ckpt-every nor
+    --resume; the run ends without one) or dropout."""
     sequence_parallel: bool = setting(False, group="parallelism")
     """With --tp > 1: the norms and the residual stream work on each rank's slice of the
     sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
@@ -534,7 +535,9 @@ class TrainSettings:
         if world_size is None:
             world_size = self.nproc or DEFAULT_NPROC.get(self.device_type, 1)
         self.nproc = world_size
-        self.sharding, self.ddp = default_layout(world_size, self.sharding, self.ddp)
+        # The families act over the data-parallel ranks: their defaults follow those.
+        self.sharding, self.ddp = default_layout(self.data_parallel_size(world_size),
+                                                 self.sharding, self.ddp)
         self.fill_recipe()
         return self
 
@@ -551,6 +554,14 @@ class TrainSettings:
         if self.warmup is None and _is_number(self.steps):
             self.warmup = recipe.default_warmup(self.steps)
         return self
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel ranks among ``world_size``: ``world_size / tp`` (the world
+        itself when ``tp`` does not divide it, for :meth:`check_tp` to name)."""
+        tp = self.tp
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+            return world_size
+        return world_size // tp
 
     def check(self) -> None:
         """Each setting in its range, in field order; ``ValueError`` with one line naming
@@ -610,6 +621,8 @@ class TrainSettings:
         self.choose_for_device(None)  # any set to "auto" since
         self.fill_recipe()
         self.check()
+        self.check_tp(world_size)
+        dp = self.data_parallel_size(world_size)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
         if self.sharding in SELF_REDUCING and self.ddp != "none":
@@ -620,12 +633,11 @@ class TrainSettings:
             raise ValueError(f"--precision fp16 needs a gradient scaler that reads every "
                              f"averaged gradient, which --sharding {self.sharding} does not "
                              "leave on the model: use bf16")
-        if self.sharding in ("zero1-allreduce", "torch") and self.ddp == "none" \
-                and world_size > 1:
+        if self.sharding in ("zero1-allreduce", "torch") and self.ddp == "none" and dp > 1:
             raise ValueError(f"--sharding {self.sharding} needs a --ddp variant")
-        if self.ddp == "none" and world_size > 1 and self.sharding not in SELF_REDUCING:
-            raise ValueError(f"--ddp none cannot average gradients over {world_size} ranks")
-        self.check_tp(world_size)
+        if self.ddp == "none" and dp > 1 and self.sharding not in SELF_REDUCING:
+            what = f"{dp} data-parallel ranks" if dp != world_size else f"{dp} ranks"
+            raise ValueError(f"--ddp none cannot average gradients over {what}")
         if self.vocab_size is not None and self.vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the model's {self.model.vocab_size}"
@@ -652,6 +664,18 @@ class TrainSettings:
         if self.sequence_parallel and m.context_length % tp:
             raise ValueError(f"--sequence-parallel needs --tp {tp} to divide "
                              f"{flag('context_length')} {m.context_length}")
+        # What tensor parallelism does not support yet, refused before any rank starts.
+        if m.dropout:
+            raise ValueError(f"--tp {tp} does not support {flag('dropout')} yet (the ranks "
+                             "would draw different masks for the same activations)")
+        if self.compile:
+            raise ValueError(f"--tp {tp} with --compile is not supported yet: minitp's "
+                             "collectives break the compiled graphs")
+        if self.ckpt_every:
+            raise ValueError(f"--tp {tp} does not write checkpoints yet: drop "
+                             f"{flag('ckpt_every')}")
+        if self.resume is not None:
+            raise ValueError(f"--tp {tp} cannot resume from a checkpoint yet")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""

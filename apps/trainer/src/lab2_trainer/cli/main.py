@@ -193,6 +193,8 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
                          "runs/<preset>-<time>)")
     if out is not None:
         check_path_length(out, "--out")
+    if resume is not None and isinstance(explicit.get("tp"), int) and explicit["tp"] > 1:
+        raise UsageError(f"--tp {explicit['tp']} cannot resume from a checkpoint yet")
     if resume is not None:
         if resume:
             check_input_path(resume, "--resume", missing="checkpoint not found")
@@ -257,11 +259,15 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         raise UsageError(str(exc)) from None
     if ckpt is not None and notes is not None:
         notes += layout_notes(saved, settings, explicit, path)
+    if settings.tp > 1 and notes is not None:
+        notes.append(f"--tp {settings.tp}: checkpoints are not written under tensor "
+                     "parallelism yet; this run ends without one")
     check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
     if settings.compile:
         check_compile(settings.compile_backend, settings.compile_mode)
-    check_batch_layout(settings.batch_size, world_size, settings.grad_accum)
+    check_batch_layout(settings.batch_size, settings.data_parallel_size(world_size),
+                       settings.grad_accum)
     corpus = load_corpus(settings.data, settings.vocab_size)
     if corpus.vocab_size != settings.model.vocab_size:
         raise UsageError(f"the data has vocabulary {corpus.vocab_size}, the model "
@@ -528,6 +534,8 @@ def _preload(settings) -> None:
     import importlib
 
     names = ["torch._dynamo", "minddp", "zero1"]  # torch.optim's optimizers import dynamo
+    if settings.tp > 1:
+        names.append("minitp")
     if settings.model.norm in ("tritonnorm", "reference"):
         names.append("tritonnorm")
     for name in names:

@@ -149,15 +149,20 @@ class CausalSelfAttention(nn.Module):
         self.kv: LayerKV | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
+        # Sizes from the projection's output, not from x: under tensor parallelism it holds
+        # this rank's heads only (q, k and v of n_heads heads), and under sequence
+        # parallelism the whole sequence where x holds this rank's slice.
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
+        head_dim = q.shape[-1] // self.n_heads
         # (B, T, D) -> (B, heads, T, head_dim), the layout SDPA expects.
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.n_heads, head_dim).transpose(1, 2) for z in (q, k, v))
         if self.kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = self._attend_cached(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values, start = self.kv.update(k, v)
@@ -270,6 +275,17 @@ class TransformerLM(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
         self.activation_checkpointing = activation_checkpointing
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+        """The loss of (logits [N, V], targets [N]): the mean cross-entropy. Tensor
+        parallelism (``lab2_trainer.parallel.tensor``) sets the vocabulary-parallel one,
+        whose logits are this rank's slice of the vocabulary."""
+        self.sequence_shard = (0, 1)
+        """(this rank's slice, slices) of the sequence that the residual stream holds:
+        ``(0, 1)``, the whole of it, but under sequence parallelism, where the embedding
+        adds the positions of its slice."""
+        self.sharded_by: str | None = None
+        """What has cut the model's matrices in place (tensor parallelism), or None:
+        decoding needs the whole model."""
         # The compiled embedding and head of compile_regions (None: the plain methods).
         self._compiled_embed: Callable | None = None
         self._compiled_head: Callable | None = None
@@ -395,6 +411,9 @@ class TransformerLM(nn.Module):
         """Token plus position embeddings of ``idx`` (B, T) at positions ``start`` on,
         times ``embed_scale``."""
         pos = torch.arange(start, start + idx.shape[-1], device=idx.device)
+        index, slices = self.sequence_shard
+        if slices > 1:
+            pos = pos.chunk(slices)[index]
         return (self.tok_emb(idx) + self.pos_emb(pos)) * self.config.embed_scale
 
     def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
@@ -404,8 +423,10 @@ class TransformerLM(nn.Module):
         if targets is None:
             return logits
         # Cross-entropy in float32 even under autocast: the log-softmax over the
-        # vocabulary is where half precision loses the most.
-        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        # vocabulary is where half precision loses the most (a float64 model keeps
+        # float64).
+        wide = logits if logits.dtype == torch.float64 else logits.float()
+        loss = self.loss_fn(wide.flatten(0, -2), targets.flatten())
         return logits, loss
 
     def attention_layers(self) -> list[CausalSelfAttention]:
@@ -429,6 +450,7 @@ class TransformerLM(nn.Module):
         Raises:
             ValueError: the cache has fewer than t free positions.
         """
+        self._check_whole("decode")
         t = idx.shape[-1]
         start = cache.length
         if t > cache.free:
@@ -491,6 +513,7 @@ class TransformerLM(nn.Module):
         Returns:
             (B, T + max_new_tokens) token ids.
         """
+        self._check_whole("generate")
         context = self.config.context_length
         keep = max(1, context // 2)
         was_training = self.training
@@ -514,6 +537,12 @@ class TransformerLM(nn.Module):
         finally:
             self.train(was_training)
         return idx
+
+    def _check_whole(self, what: str) -> None:
+        if self.sharded_by is not None:
+            raise RuntimeError(f"cannot {what} with a model cut by {self.sharded_by}: its "
+                               "logits are one rank's slice of the vocabulary; gather the "
+                               "whole model first")
 
     @staticmethod
     def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -25,6 +25,14 @@ torch)                                              ZeroRedundancyOptimizer (tor
 :class:`FSDP`       FSDP2 (reduce-scatter)          AdamW over the sharded parameters
 (fsdp)
 ==================  ==============================  ==============================
+
+**On a mesh** (``--tp`` > 1): the ranks are ``dp x tp``
+(:class:`lab2_trainer.parallel.mesh.Mesh`), the model is first cut over its
+tensor-parallel group (:func:`lab2_trainer.parallel.tensor.shard_transformer`), and the
+family then runs over its data-parallel group only, wrapped in
+:class:`~lab2_trainer.parallel.tensor.TensorParallel`: the gradients of whole parameters
+summed over the tensor-parallel group where sequence parallelism leaves them partial,
+clipping by the norm of one process, the whole model gathered from the shards.
 """
 
 from __future__ import annotations
@@ -38,11 +46,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab2_trainer.parallel.mesh import Mesh
+from lab2_trainer.parallel.tensor import TensorParallel, shard_transformer
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: the matrices decay; vectors (norm weights, biases) and the embedding
     tables do not (the tables set the residual stream's scale: lab2_trainer.recipe.defaults)."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    from minitp import VocabParallelEmbedding  # a table too, cut over tensor-parallel ranks
+
+    tables = {id(m.weight) for m in model.modules()
+              if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
     decay, no_decay = [], []
     for p in model.parameters():  # tied weights come once
         if p.requires_grad:
@@ -70,6 +84,8 @@ class Options:
         bucket_mb, bucket_rule: the DDP wrappers' buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (:func:`ddp_wrapper`).
         reshard_after_forward: zero3's and FSDP2's.
+        group: the process group the family averages over (None: the default group;
+            on a mesh, the data-parallel one).
     """
 
     ddp: str
@@ -82,6 +98,7 @@ class Options:
     bucket_rule: str = "reach"
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
+    group: dist.ProcessGroup | None = None
 
     def adamw(self) -> dict[str, Any]:
         """AdamW's keyword arguments (the parameter groups apart)."""
@@ -110,12 +127,17 @@ class Parallel:
             run compiles; the FSDP root with "fsdp", so every rank must evaluate).
         sharding, ddp: the kinds (``--sharding``, ``--ddp``).
         wrapper: the DDP wrapper module, or None.
+        group: the process group gradients are averaged over (None: the default group).
     """
+
+    #: Whether each rank holds a part of the averaged gradients (True) or all of them.
+    dp_sharded: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  forward: nn.Module | None = None, *, eval_module: nn.Module | None = None,
                  sharding: str = "none", ddp: str = "none",
-                 wrapper: nn.Module | None = None) -> None:
+                 wrapper: nn.Module | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.forward = model if forward is None else forward
@@ -123,6 +145,7 @@ class Parallel:
         self.sharding = sharding
         self.ddp = ddp
         self.wrapper = wrapper
+        self.group = group
 
     @classmethod
     def apply(cls, model: nn.Module, compiled: nn.Module, sharding: str,
@@ -147,6 +170,12 @@ class Parallel:
         measure it); returns the norm before clipping, a plain tensor on every rank."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         return _full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def held_gradients(self) -> list[tuple[str, int, torch.Tensor]]:
+        """The averaged gradients this rank holds after :meth:`finish`, as (parameter
+        name, offset in the parameter's flat view, gradient): the model's ``.grad``."""
+        return [(name, 0, p.grad) for name, p in self.model.named_parameters()
+                if p.grad is not None]
 
     @property
     def gradient_order(self) -> list[int] | None:
@@ -181,14 +210,15 @@ class Parallel:
         self.optimizer.load_state_dict(state)
 
 
-def _agree_and_broadcast(model: nn.Module) -> None:
-    """Check that the ranks' models agree and broadcast rank 0's parameters and buffers
-    (what the DDP wrappers do in their constructors) for the families without one."""
+def _agree_and_broadcast(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Check that the ranks' models agree and broadcast the group's first rank's parameters
+    and buffers (what the DDP wrappers do in their constructors) for the families without
+    one."""
     if dist.is_available() and dist.is_initialized():
         from minddp import broadcast_module, check_model_consistency
 
-        check_model_consistency(model)
-        broadcast_module(model)
+        check_model_consistency(model, process_group=group)
+        broadcast_module(model, process_group=group)
 
 
 # ------------------------------------------------------------------ the DDP wrappers
@@ -196,13 +226,13 @@ def _bucketed(module: nn.Module, o: Options) -> nn.Module:
     from minddp import DDPBucketed
 
     return DDPBucketed(module, bucket_size_mb=o.bucket_mb, reduce_dtype=o.reduce_dtype,
-                       bucket_rule=o.bucket_rule)
+                       bucket_rule=o.bucket_rule, process_group=o.group)
 
 
 def _individual(module: nn.Module, o: Options) -> nn.Module:
     from minddp import DDPIndividualParameters
 
-    return DDPIndividualParameters(module)
+    return DDPIndividualParameters(module, process_group=o.group)
 
 
 def _torch_ddp(module: nn.Module, o: Options) -> nn.Module:
@@ -210,7 +240,8 @@ def _torch_ddp(module: nn.Module, o: Options) -> nn.Module:
 
     hook = _compress_hook(o.reduce_dtype)
     device_ids = [o.device.index] if o.device.type == "cuda" else None
-    wrapper = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=o.bucket_mb)
+    wrapper = DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=o.bucket_mb,
+                                      process_group=o.group)
     if hook is not None:
         wrapper.register_comm_hook(None, hook)
     return wrapper
@@ -255,7 +286,7 @@ class DDP(Parallel):
         if wrapper is None and options.ddp != "none":
             from minddp import broadcast_module
 
-            broadcast_module(model)  # the wrappers do this in their constructors
+            broadcast_module(model, process_group=options.group)  # as the wrappers do
         groups = param_groups(model, options.weight_decay)
         if sharding == "none":
             optimizer = options.plain_adamw(model)
@@ -263,14 +294,15 @@ class DDP(Parallel):
             from zero1 import ShardedOptimizer
 
             optimizer = ShardedOptimizer(groups, torch.optim.AdamW, reduce_gradients=False,
-                                         **options.adamw())
+                                         process_group=options.group, **options.adamw())
         else:  # "torch"
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
+                                                process_group=options.group,
                                                 **options.adamw())
         return cls(model, optimizer, wrapper or compiled, eval_module=compiled,
-                   sharding=sharding, ddp=options.ddp, wrapper=wrapper)
+                   sharding=sharding, ddp=options.ddp, wrapper=wrapper, group=options.group)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         # The wrappers' own; the baselines reduce only when finish() is called.
@@ -279,10 +311,11 @@ class DDP(Parallel):
     def finish(self) -> None:
         if self.ddp in MINDDP_HOOKED:
             self.wrapper.finish_gradient_synchronization()
-        elif self.wrapper is None and self.ddp != "none" and dist.get_world_size() > 1:
+        elif (self.wrapper is None and self.ddp != "none"
+              and dist.get_world_size(self.group) > 1):
             from minddp import all_reduce_gradients
 
-            all_reduce_gradients(self.model, flat=self.ddp == "flat")
+            all_reduce_gradients(self.model, flat=self.ddp == "flat", process_group=self.group)
         # PyTorch's DDP has finished inside backward; "none" has nothing to do.
 
     @property
@@ -314,6 +347,8 @@ class _OptimizerReduces(Parallel):
     holds the averaged gradients (the model's ``.grad`` are not) and does the step's
     communication."""
 
+    dp_sharded: ClassVar[bool] = True
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.optimizer.no_sync()
 
@@ -323,6 +358,13 @@ class _OptimizerReduces(Parallel):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         # The averaged gradients are the optimizer's shards (one scalar all-reduce).
         return self.optimizer.clip_grad_norm_(max_norm, norm_type=2.0)
+
+    def held_gradients(self) -> list[tuple[str, int, torch.Tensor]]:
+        # The pieces the optimizer steps, each a range of one parameter.
+        names = _parameter_names(self.model)
+        return [(names[id(piece.param)][0], piece.start, piece.local.grad)
+                for _, piece in self.optimizer.numbered_pieces()
+                if piece.local.grad is not None]
 
 
 class Zero(_OptimizerReduces):
@@ -337,12 +379,12 @@ class Zero(_OptimizerReduces):
               options: Options) -> Parallel:
         from zero1 import ShardedOptimizer
 
-        _agree_and_broadcast(model)
+        _agree_and_broadcast(model, options.group)
         optimizer = ShardedOptimizer(
             param_groups(model, options.weight_decay), torch.optim.AdamW,
             stage=cls.STAGES[sharding], reduce_gradients=True, bucket_size_mb=options.bucket_mb,
-            bucket_rule=options.bucket_rule, **options.adamw())
-        return cls(model, optimizer, compiled, sharding=sharding)
+            bucket_rule=options.bucket_rule, process_group=options.group, **options.adamw())
+        return cls(model, optimizer, compiled, sharding=sharding, group=options.group)
 
     @property
     def gradient_order(self) -> list[int] | None:
@@ -365,12 +407,13 @@ class Zero3(_OptimizerReduces):
               options: Options) -> Parallel:
         from zero1 import Stage3Optimizer, shard_model
 
-        _agree_and_broadcast(model)
+        _agree_and_broadcast(model, options.group)
         shard_model(model, units=list(getattr(model, "blocks", ())),
-                    reshard_after_forward=options.reshard_after_forward)
+                    reshard_after_forward=options.reshard_after_forward,
+                    process_group=options.group)
         optimizer = Stage3Optimizer(param_groups(model, options.weight_decay),
                                     torch.optim.AdamW, **options.adamw())
-        return cls(model, optimizer, compiled, sharding=sharding)
+        return cls(model, optimizer, compiled, sharding=sharding, group=options.group)
 
     def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:
         from zero1 import sharding_of
@@ -384,12 +427,24 @@ class FSDP(Parallel):
     plain AdamW over the sharded parameters. The gradients are reduce-scattered inside
     backward, and clipping, checkpoints and evaluation are collectives."""
 
+    dp_sharded: ClassVar[bool] = True
+
     @classmethod
     def apply(cls, model: nn.Module, compiled: nn.Module, sharding: str,
               options: Options) -> Parallel:
-        _agree_and_broadcast(model)
-        _fully_shard(model, options.device, options.reshard_after_forward)
-        return cls(model, options.plain_adamw(model), compiled, sharding=sharding)
+        _agree_and_broadcast(model, options.group)
+        _fully_shard(model, options.device, options.reshard_after_forward, options.group)
+        return cls(model, options.plain_adamw(model), compiled, sharding=sharding,
+                   group=options.group)
+
+    def held_gradients(self) -> list[tuple[str, int, torch.Tensor]]:
+        # This rank's rows of each parameter's gradient (a view: scaling it scales them).
+        return [(name, 0, p.grad.to_local()) for name, p in self.model.named_parameters()
+                if p.grad is not None]
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with every tensor whole, on every rank (a collective)."""
+        return {k: _full_tensor(v) for k, v in self.model.state_dict().items()}
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -486,10 +541,15 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
                 fused: bool = False, compile: dict[str, Any] | None = None,
                 bucket_mb: float = 25.0, bucket_rule: str = "reach",
                 reduce_dtype: torch.dtype | None = None,
-                reshard_after_forward: bool = True) -> Parallel:
+                reshard_after_forward: bool = True, mesh: Mesh | None = None,
+                sequence_parallel: bool = False) -> Parallel:
     """Set ``model`` up for training: the one place that applies parallelism, in a fixed
     order.
 
+    0. Tensor parallelism, on a ``mesh`` whose "tp" dimension has more than one rank: the
+       model is cut over its tensor-parallel group
+       (:func:`~lab2_trainer.parallel.tensor.shard_transformer`, with
+       ``sequence_parallel``), and everything after runs over the data-parallel group.
     1. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
        is compiled block by block, or whole; everything after wraps or hooks the bare
        model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
@@ -511,6 +571,10 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
         bucket_mb, bucket_rule: DDP's buckets and zero1/zero2's.
         reduce_dtype: the DDP wrapper's wire dtype (:func:`ddp_wrapper`).
         reshard_after_forward: for "zero3" and "fsdp".
+        mesh: the ranks as "dp" x "tp" (:class:`~lab2_trainer.parallel.mesh.Mesh`); None:
+            every rank data-parallel.
+        sequence_parallel: with tensor parallelism, cut the residual stream along the
+            sequence too.
     """
     from lab2_trainer.config import SELF_REDUCING
 
@@ -519,11 +583,21 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     if sharding in SELF_REDUCING and ddp != "none":
         raise ValueError(f"sharding {sharding!r} averages gradients itself: ddp must be "
                          f"'none', not {ddp!r}")
+    layout = None
+    if mesh is not None and mesh.size("tp") > 1:
+        if compile is not None:
+            raise ValueError("compiling a tensor-parallel model is not supported yet")
+        layout = shard_transformer(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
+    elif sequence_parallel:
+        raise ValueError("sequence parallelism needs a mesh with more than one "
+                         "tensor-parallel rank")
     compiled = model if compile is None else compile_model(model, **compile)
     options = Options(ddp=ddp, device=device, lr=lr, betas=betas, weight_decay=weight_decay,
                       fused=fused, bucket_mb=bucket_mb, bucket_rule=bucket_rule,
-                      reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
-    return FAMILIES[sharding].apply(model, compiled, sharding, options)
+                      reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                      group=mesh.group("dp") if mesh is not None else None)
+    parallel = FAMILIES[sharding].apply(model, compiled, sharding, options)
+    return parallel if layout is None else TensorParallel(parallel, mesh, layout)
 
 
 def compile_model(model: nn.Module, *, backend: str = "inductor", mode: str | None = None,
@@ -582,13 +656,18 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: bool) -> None:
-    """FSDP2 over the ranks of the default group: each transformer block (``model.blocks``)
-    is a unit of its own, the root holds the rest (embeddings, final norm, head)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _fully_shard(model: nn.Module, device: torch.device, reshard_after_forward: bool,
+                 group: dist.ProcessGroup | None = None) -> None:
+    """FSDP2 over the ranks of ``group`` (None: the default group): each transformer block
+    (``model.blocks``) is a unit of its own, the root holds the rest (embeddings, final
+    norm, head)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     fully_shard = fully_shard_fn()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if group is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:  # one dimension of a larger mesh: its group as a mesh of its own
+        mesh = DeviceMesh.from_group(group, device.type)
     for block in getattr(model, "blocks", ()):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -37,6 +37,7 @@ from lab2_trainer.data.batches import BatchSampler, Prefetcher, check_batch_layo
 from lab2_trainer.data.corpus import compression_baselines, load_corpus, unigram_entropy
 from lab2_trainer.models.shapes import training_flops_per_token
 from lab2_trainer.models.transformer import TransformerLM, selective_kind
+from lab2_trainer.parallel.mesh import Mesh
 from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.recipe.schedule import WarmupCosine
 from lab2_trainer.reporting.profiling import StepProfiler
@@ -89,15 +90,17 @@ def fetch_step_values(losses: list[torch.Tensor], norms: list[torch.Tensor]
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, sampler: BatchSampler, n_batches: int, ctx: DistContext,
-             precision: str) -> float:
+             precision: str, data_rank: tuple[int, int] | None = None) -> float:
     """Mean validation loss over ``n_batches`` fixed global batches (the same windows at
-    every evaluation, so the curve compares like with like)."""
+    every evaluation, so the curve compares like with like); ``data_rank``: this rank's
+    (index, count) among the data-parallel ranks (None: every rank is one)."""
     was_training = model.training
     model.eval()
     sampler.draws = 0
+    index, count = data_rank or (ctx.rank, ctx.world_size)
     total = torch.zeros((), device=ctx.device)
     for _ in range(n_batches):
-        ((x, y),) = sampler.next_local(ctx.rank, ctx.world_size, 1, ctx.device)
+        ((x, y),) = sampler.next_local(index, count, 1, ctx.device)
         with autocast_context(precision, ctx.device):
             _, loss = model(x, y)
         total += loss.float()
@@ -128,7 +131,15 @@ class Trainer:
         self.s = settings
         self.ctx = ctx
         s = settings
-        check_batch_layout(s.batch_size, ctx.world_size, s.grad_accum)
+        # With --tp > 1 the ranks are a dp x tp mesh (its groups made here, on every rank);
+        # the ranks of one tensor-parallel group draw the same micro-batches.
+        self.mesh = Mesh.data_tensor(s.tp) if s.tp > 1 else None
+        self.data_rank = ((self.mesh.coordinate("dp"), self.mesh.size("dp"))
+                          if self.mesh is not None else (ctx.rank, ctx.world_size))
+        # Checkpoints of a tensor-parallel run are not written yet (the settings refuse
+        # --ckpt-every and --resume there): the run ends without one.
+        self.saves_checkpoints = self.mesh is None
+        check_batch_layout(s.batch_size, self.data_rank[1], s.grad_accum)
         if s.compile:
             # The compiler's worker processes start now, while the data and the model are
             # made, instead of at the first block's compilation.
@@ -153,7 +164,9 @@ class Trainer:
             except RuntimeError as exc:
                 reason = str(exc).splitlines()[0]
                 raise UsageError(f"checkpoint model does not fit: {reason}") from None
-        # Before any sharding: FSDP2 replaces the parameters by their shards.
+        # Before any sharding: FSDP2 replaces the parameters by their shards, tensor
+        # parallelism keeps this rank's.
+        self.num_parameters = self.model.num_parameters()
         self.flops_per_token = training_flops_per_token(s.model, matmul_parameters(self.model))
         # What the GPU computes: the model's FLOPs plus the recomputed forwards (HFU).
         self.hardware_flops_per_token = self.flops_per_token + recompute_flops_per_token(
@@ -165,7 +178,8 @@ class Trainer:
             betas=(s.beta1, s.beta2), weight_decay=s.weight_decay,
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
-            reshard_after_forward=s.reshard_after_forward)
+            reshard_after_forward=s.reshard_after_forward, mesh=self.mesh,
+            sequence_parallel=s.sequence_parallel)
         self.clock.mark("parallelize")
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
@@ -191,8 +205,7 @@ class Trainer:
                                          keep_last=s.keep_last, threads=s.ckpt_threads)
         self.clock.mark("checkpoint writer")
         # After the restore, so it starts from the checkpoint's position in the stream.
-        self.batches = Prefetcher(self.sampler, ctx.rank, ctx.world_size, s.grad_accum,
-                                  ctx.device)
+        self.batches = Prefetcher(self.sampler, *self.data_rank, s.grad_accum, ctx.device)
         self.peak = device_peak(ctx.device)
         self.clock.mark("batches")
 
@@ -271,7 +284,7 @@ class Trainer:
                     # and (after the first step: not during compilation) make some of the
                     # checkpoint's pinned buffers.
                     self.batches.prefetch()
-                    if self.step > start_step:
+                    if self.step > start_step and self.saves_checkpoints:
                         self.checkpointer.make_buffers()
                     self.step += 1
                 if profiler is not None and profiler.due(self.step):
@@ -284,7 +297,8 @@ class Trainer:
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
                 evaluate_now = done or bool(s.eval_every and self.step % s.eval_every == 0)
-                checkpoint_now = done or bool(s.ckpt_every and self.step % s.ckpt_every == 0)
+                checkpoint_now = self.saves_checkpoints and (
+                    done or bool(s.ckpt_every and self.step % s.ckpt_every == 0))
                 if not (first or evaluate_now or checkpoint_now or self.step % s.log_every == 0):
                     continue
                 records = self._fetch_records(pending, window_start)
@@ -310,7 +324,7 @@ class Trainer:
                 if evaluate_now:
                     with clock.phase("evaluation", carve_compilation=True):
                         val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches,
-                                            ctx, s.precision)
+                                            ctx, s.precision, self.data_rank)
                     records[-1].update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
                 if reporter is not None:
                     with clock.phase("other"):
@@ -324,7 +338,7 @@ class Trainer:
             if val_loss is None:  # resumed at the end: nothing trained, still report
                 with clock.phase("evaluation", carve_compilation=True):
                     val_loss = evaluate(self.eval_module, self.val_sampler, s.eval_batches, ctx,
-                                        s.precision)
+                                        s.precision, self.data_rank)
             # The end of the run waits for the save in flight: a stall too.
             with checkpoint_stall():
                 self.checkpointer.finish()  # a failed last save fails the run
@@ -350,7 +364,7 @@ class Trainer:
             "setup": self.setup_line(),
             "world_size": ctx.world_size,
             "settings": s.to_dict(),
-            "parameters": self.model.num_parameters(),
+            "parameters": self.num_parameters,
             # Seconds each save kept training waiting (the copy to CPU memory, and any wait
             # for the previous save), and the end of the run for the last one.
             "checkpoint_stalls": self.checkpointer.stalls,
@@ -468,9 +482,13 @@ class Trainer:
                "fsdp": f"FSDP2 fully_shard(reshard_after_forward="
                        f"{s.reshard_after_forward}) + {adamw}"}[s.sharding]
         backend = dist.get_backend() if ctx.distributed else "single process"
+        ranks = f"{ctx.world_size} rank(s)"
+        if self.mesh is not None:  # DDP and the sharding act over the data-parallel ranks
+            sp = " and sequence" if s.sequence_parallel else ""
+            ranks += f" as {self.mesh.describe()} (minitp tensor{sp} parallel)"
         checkpointing = ("" if s.activation_checkpointing == "none" else
                          f", activation checkpointing {self._checkpointing_label()}")
-        return (f"{ctx.world_size} rank(s), {backend}, {ctx.device.type}, {ddp}, {opt}, "
+        return (f"{ranks}, {backend}, {ctx.device.type}, {ddp}, {opt}, "
                 f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
 
     def _checkpointing_label(self) -> str:
@@ -493,13 +511,13 @@ class Trainer:
         peak = self.peak_line() or (f"no known bf16 peak for {device_label(self.ctx.device)} "
                                     "(not reported)")
         return (
-            f"[bold]lab2-train[/bold]: {self.model.num_parameters():,} parameters "
+            f"[bold]lab2-train[/bold]: {self.num_parameters:,} parameters "
             f"(d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, "
             f"context {m.context_length})\n"
             f"data: {c.source}: {len(c.train):,} train / {len(c.val):,} val tokens, "
             f"unigram entropy {entropy:.4f} nats\n"
             f"batch: {s.batch_size} x {m.context_length} tokens per step "
-            f"({s.batch_size // self.ctx.world_size // s.grad_accum} per rank per micro-step, "
+            f"({s.batch_size // self.data_rank[1] // s.grad_accum} per rank per micro-step, "
             f"grad_accum {s.grad_accum}), {s.steps} steps, lr {s.lr:g} -> {s.min_lr:g}\n"
             f"setup: {self.setup_line()}\n"
             f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token against {peak}"
@@ -510,10 +528,10 @@ class Trainer:
         )
 
     def sampling_model(self) -> TransformerLM | None:
-        """The model to sample from on rank 0: the trained one itself, or with zero3 and
-        fsdp (whose parameters are shards) an unsharded copy built from the gathered state
-        dict. A collective with those; None on the other ranks there."""
-        if self.parallel.sharding not in ("zero3", "fsdp"):
+        """The model to sample from on rank 0: the trained one itself, or with zero3, fsdp
+        and tensor parallelism (whose parameters are shards) an unsharded copy built from
+        the gathered state dict. A collective with those; None on the other ranks there."""
+        if self.parallel.sharding not in ("zero3", "fsdp") and self.mesh is None:
             return self.model
         state = self.parallel.full_model_state(self.ctx.rank)
         if state is None:
