@@ -119,6 +119,22 @@ class _ColumnLinear(Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
+def _column_linear(x, weight, bias, group, sequence_parallel, seq_dim, overlap):
+    """:class:`_ColumnLinear` as autocast would run ``F.linear``: under autocast the input,
+    weight and bias are cast to its dtype first (their casts' backward returns each
+    gradient in its parameter's dtype) and the function runs with autocast off, so that its
+    hand-written backward multiplies tensors of one dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, seq_dim,
+                                       overlap)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, seq_dim, overlap)
+
+
 class ColumnParallelLinear(nn.Module):
     """A linear layer whose output features are cut over the group: this rank holds
     ``weight`` of shape ``[out_features / tp, in_features]`` (rows ``[r·out/tp,
@@ -187,9 +203,8 @@ class ColumnParallelLinear(nn.Module):
         if self.input_in_region or self.tp == 1:
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group,
-                                    self.sequence_parallel, self.seq_dim,
-                                    self.overlap_grad_reduce)
+            y = _column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                               self.seq_dim, self.overlap_grad_reduce)
         return gather_from_region(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:

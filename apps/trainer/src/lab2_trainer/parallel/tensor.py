@@ -24,14 +24,13 @@ and this rank's thirds are stacked: a local ``[3d / tp, d]`` whose output splits
 rank's q, k and v as the whole one does (the attention module's head count becomes
 ``n_heads / tp``).
 
-Each parallel region (attention, the feed-forward, the head) is entered once, by a forward
-pre-hook on its module: minitp's copy to the region (its backward sums the input gradient
-over the group), or under sequence parallelism its gather along the sequence. The
-feed-forward's ``w1`` and ``w3`` share one entry, so backward sums one input gradient, not
-two. The column layers inside then compute with ``F.linear``, which autocast casts as it
-casts any linear layer. (minitp's column layer can enter the region itself and overlap the
-input-gradient reduction with the weight gradient, but its backward multiplies autocast's
-half-precision gradient by the float32 weight and fails under ``--precision bf16``.)
+Each parallel region (attention, the feed-forward, the head) is entered once: minitp's copy
+to the region (its backward sums the input gradient over the group), or under sequence
+parallelism its gather along the sequence. Attention's fused ``qkv`` and the head are one
+column layer each, which enters its region itself and overlaps the input-gradient reduction
+with its weight-gradient product in backward. The feed-forward's ``w1`` and ``w3`` share
+one entry, a forward pre-hook on the feed-forward, so that backward sums one input
+gradient, not two; they then compute with ``F.linear``.
 
 The head leaves each rank its slice of the vocabulary, ``[B, T, V / tp]``, and the model's
 ``loss_fn`` becomes ``minitp.vocab_parallel_cross_entropy``: the whole logits are never on
@@ -157,7 +156,7 @@ def shard_transformer(model: TransformerLM, group: Group = None, *,
     check_shardable(model.config, tp, sequence_parallel)
     layout = TensorLayout(group, tp, rank, sequence_parallel)
     sp = sequence_parallel
-    # Column layers whose input the caller brings into the region (the pre-hooks below).
+    # w1 and w3: column layers whose input the feed-forward's pre-hook brings in (once).
     column = functools.partial(ColumnParallelLinear.from_linear, group=group,
                                sequence_parallel=sp, input_in_region=True)
     row = functools.partial(RowParallelLinear.from_linear, group=group, sequence_parallel=sp)
@@ -165,10 +164,9 @@ def shard_transformer(model: TransformerLM, group: Group = None, *,
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}"
         attn, ffn = block.attn, block.ffn
-        attn.qkv = _fused_column(attn.qkv, 3, layout)
+        attn.qkv = _fused_column(attn.qkv, 3, layout)  # enters its region itself
         attn.proj = row(attn.proj)
         attn.n_heads //= tp
-        attn.register_forward_pre_hook(enter)
         layout.sharded[f"{prefix}.attn.qkv.weight"] = (0, 3)
         layout.sharded[f"{prefix}.attn.proj.weight"] = (1, 1)
         ffn.w1 = column(ffn.w1)
@@ -182,8 +180,8 @@ def shard_transformer(model: TransformerLM, group: Group = None, *,
     tied = model.lm_head.weight is model.tok_emb.weight
     model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, group,
                                                           sequence_parallel=sp)
-    model.lm_head = column(model.lm_head)
-    model.lm_head.register_forward_pre_hook(enter)
+    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group=group,
+                                                     sequence_parallel=sp)
     if tied:  # one shard, shared again
         model.lm_head.weight = model.tok_emb.weight
     layout.sharded["tok_emb.weight"] = (0, 1)
@@ -200,7 +198,7 @@ def _fused_column(linear: nn.Linear, parts: int, layout: TensorLayout) -> Column
     equal blocks of rows, stacked."""
     layer = ColumnParallelLinear(linear.in_features, linear.out_features, layout.group,
                                  bias=False, sequence_parallel=layout.sequence_parallel,
-                                 input_in_region=True, device="meta")
+                                 device="meta")
     local = torch.cat([block.chunk(layout.tp, 0)[layout.rank]
                        for block in linear.weight.detach().chunk(parts, 0)])
     layer.weight = nn.Parameter(local.clone(), requires_grad=linear.weight.requires_grad)
