@@ -10,10 +10,12 @@ backend there is Gloo, so that several ranks can share one GPU (rank r uses GPU 
 GPUs visible). The CPU has no allocator peak to read: there the allocations and frees that
 ``torch.profiler`` records (``profile_memory=True``) are replayed in order. Next to each
 measurement, the analytic figure, for N tokens, vocabulary V, tp ranks, logits of s bytes
-an element and c = max(s, 4) (the vocab-parallel loss computes in at least float32):
+an element (the vocab-parallel loss computes in at least float32, a chunk of rows at a time):
 
-* vocab-parallel: the softmax kept from forward and the gradient, N·V/tp·c each, plus
-  the gradient cast back when s < 4: N·V/tp·(2c + s·[s < 4]).
+* vocab-parallel: the gradient, N·V/tp·s, and the float32 work of one chunk of rows
+  (``minitp.vocab.CHUNK_BYTES``, 32 MiB, twice when s < 4: the cast and the shifted copy);
+  nothing of the logits' size is kept from forward (the logits slice itself is, as
+  autograd keeps it for the head anyway).
 * gathered: in backward, log-softmax's output (kept from forward), its gradient and the
   gradient of the logits, N·V·s each: 3·N·V·s. The all-gather's own buffers (its input
   slice, N·V/tp·s, and its rank-major output, N·V·s) can stay allocated past forward
@@ -40,6 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 from lab2bench.ranks import RankGroup  # noqa: E402
 from lab2bench.report import markdown_table  # noqa: E402
 from minitp import gather_from_region, vocab_parallel_cross_entropy  # noqa: E402
+from minitp.vocab import CHUNK_BYTES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIB = 2**20
@@ -47,10 +50,9 @@ MIB = 2**20
 
 def analytic_bytes(tokens: int, vocab: int, ranks: int, itemsize: int) -> tuple[int, int]:
     """(vocab-parallel, gathered) peak bytes per rank above the logits slice."""
-    c = max(itemsize, 4)
     local = tokens * vocab // ranks
-    parallel = local * (2 * c + (itemsize if itemsize < 4 else 0))
-    return parallel, 3 * tokens * vocab * itemsize
+    chunk = min(CHUNK_BYTES, 4 * local) * (2 if itemsize < 4 else 1)
+    return local * itemsize + chunk, 3 * tokens * vocab * itemsize
 
 
 def peak_bytes(fn, device: torch.device) -> tuple[int, object]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minitp.vocab as vocab_module
 from lab2_testing.dist import run_ranks
 from lab2_testing.modules import load_path
 from minitp import vocab_parallel_cross_entropy
@@ -62,6 +63,17 @@ def ce_rank(rank: int, world: int, max_examples: int) -> dict[str, float]:
                 for k, v in _compare(rank, world, (2, 12), 12, reduction, ignore_index,
                                      scale, seed=len(errors)).items():
                     errors[f"{case} {k}"] = v
+
+    # The loss works on a few rows at a time: cut a 7 x 12 batch into chunks of 3 rows
+    # (12 float32 logits a row) and check it again.
+    saved, vocab_module.CHUNK_BYTES = vocab_module.CHUNK_BYTES, 3 * 4 * 12
+    try:
+        for reduction in ("mean", "none"):
+            for k, v in _compare(rank, world, (7,), 12, reduction, -100, 3.0,
+                                 seed=99).items():
+                errors[f"chunked {reduction} {k}"] = v
+    finally:
+        vocab_module.CHUNK_BYTES = saved
 
     worst = {"loss": 0.0, "grad": 0.0}
 

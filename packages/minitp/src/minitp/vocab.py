@@ -130,33 +130,51 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ------------------------------------------------------------------ cross-entropy
+#: Rows of logits the loss works on at a time, so that its float32 temporaries stay near
+#: this many bytes whatever the batch: forward keeps nothing of the size of the logits,
+#: backward writes only the gradient (``benchmarks/vocab_ce_memory.py`` measures it).
+CHUNK_BYTES = 32 << 20
+
+
+def _rows_per_chunk(width: int) -> int:
+    return max(1, CHUNK_BYTES // max(1, 4 * width))
+
+
 class _VocabParallelCrossEntropy(Function):
+    """The loss from this rank's logits slice: one max all-reduce, one all-reduce of
+    (Σ exp, target logit). It saves the logits (alive anyway as the head's output) and
+    each row's log-sum-exp, and backward recomputes the softmax chunk by chunk, in at least
+    float32, writing the gradient in the logits' dtype."""
+
     @staticmethod
     def forward(ctx, local_logits, targets, group, ignore_index, reduction):
         local_vocab = local_logits.shape[-1]
         start = group_rank(group) * local_vocab
         dtype = torch.float32 if local_logits.element_size() < 4 else local_logits.dtype
-        z = local_logits.reshape(-1, local_vocab).to(dtype)
+        z = local_logits.reshape(-1, local_vocab)
         t = targets.reshape(-1)
         ignored = t == ignore_index
         here = (t >= start) & (t < start + local_vocab) & ~ignored
         local_t = (t - start).masked_fill(~here, 0)
 
-        # max over the whole vocabulary: local max, then the group's.
-        m = z.max(dim=-1).values.contiguous()
+        # max over the whole vocabulary (exact in any dtype): local max, then the group's.
+        m = z.max(dim=-1).values.to(dtype).contiguous()
         start_all_reduce(m, group, "forward", op=dist.ReduceOp.MAX).wait()
-        shifted = z - m.unsqueeze(-1)
-        target_logit = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~here, 0)
-        exp = shifted.exp_()
+        sum_exp = torch.empty_like(m)
+        step = _rows_per_chunk(local_vocab)
+        for s in range(0, z.shape[0], step):
+            rows = slice(s, s + step)
+            sum_exp[rows] = (z[rows].to(dtype) - m[rows, None]).exp_().sum(dim=-1)
+        target_logit = (z.gather(1, local_t.unsqueeze(1)).squeeze(1).to(dtype) - m) \
+            .masked_fill(~here, 0)
         # Σ exp and the target's logit, summed over the group in one collective.
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        sums = torch.stack([sum_exp, target_logit])
         start_all_reduce(sums, group, "forward").wait()
         sum_exp, target_logit = sums
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_t, here, ignored)
-        ctx.reduction, ctx.shape, ctx.dtype = reduction, local_logits.shape, local_logits.dtype
+        ctx.save_for_backward(local_logits, m + sum_exp.log(), local_t, here, ignored)
+        ctx.reduction, ctx.compute_dtype = reduction, dtype
         ctx.count = (~ignored).sum()
         if reduction == "none":
             out = loss.view(targets.shape)
@@ -168,19 +186,26 @@ class _VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_t, here, ignored = ctx.saved_tensors
+        local_logits, lse, local_t, here, ignored = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        z = local_logits.reshape(-1, local_logits.shape[-1])
         if ctx.reduction == "none":
-            scale = grad.reshape(-1).to(softmax.dtype)
+            scale = grad.reshape(-1).to(dtype)
         else:
-            scale = grad.to(softmax.dtype).expand(softmax.shape[0])
+            scale = grad.to(dtype).expand(z.shape[0])
             if ctx.reduction == "mean":
                 scale = scale / ctx.count
         scale = scale.masked_fill(ignored, 0.0)
-        # softmax - one_hot(target), times the loss's gradient, row by row.
-        grad_z = softmax * scale.unsqueeze(-1)
-        grad_z.scatter_add_(1, local_t.unsqueeze(1),
-                            -(scale * here).unsqueeze(1))
-        return grad_z.to(ctx.dtype).view(ctx.shape), None, None, None, None
+        hit = -(scale * here)
+        # softmax - one_hot(target), times the loss's gradient, a chunk of rows at a time.
+        grad_z = torch.empty_like(z)
+        step = _rows_per_chunk(z.shape[1])
+        for s in range(0, z.shape[0], step):
+            rows = slice(s, s + step)
+            g = (z[rows].to(dtype) - lse[rows, None]).exp_().mul_(scale[rows, None])
+            g.scatter_add_(1, local_t[rows, None], hit[rows, None])
+            grad_z[rows] = g
+        return grad_z.view(local_logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
