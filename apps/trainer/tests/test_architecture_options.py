@@ -204,7 +204,7 @@ def test_a_short_run_with_every_option_lowers_the_loss():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
 
 
