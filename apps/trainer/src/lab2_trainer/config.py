@@ -8,9 +8,8 @@
   help text is the string literal right after it (read by :func:`field_docs` without
   importing anything), and ``lab2-train``'s flags are built from them. Each class's
   ``check`` method checks every field's range in plain Python, in field order.
-* Model configuration: :class:`ModelConfig`, the course handout's size presets
-  (:data:`PRESETS`) and validation. ``model_config("small", n_layers=2)`` is the usual way
-  to get one: a preset's fields with any of them overridden, checked before it is returned.
+* Model configuration: :class:`ModelConfig`, size presets (:data:`PRESETS`), validation;
+  ``model_config("small", n_layers=2)``: a preset's fields, some overridden, checked.
 * Training settings: every knob of a run in :class:`TrainSettings`, checked before any
   rank starts. Defaults that depend on the device and the number of ranks (``nproc``,
   ``ddp``, ``sharding``) are None until :meth:`TrainSettings.resolve` fills them, and so
@@ -46,9 +45,8 @@ class UsageError(Exception):
 
 
 class Diverged(RuntimeError):
-    """The training loss became NaN or infinite. Every rank sees it at the same step (the
-    loss is averaged over the ranks first), so rank 0 alone reports it, in one line (the
-    message); the run ends with exit code 1."""
+    """The training loss became NaN or infinite: every rank sees it at the same step (the
+    loss is averaged first), rank 0 alone reports it in one line; exit code 1."""
 
 
 #: The exit code of every command line of the trainer on bad input (a ``UsageError``).
@@ -57,19 +55,17 @@ EXIT_BAD_INPUT = 2
 
 # ------------------------------------------ settings machinery and model configuration
 NORM_KINDS = ("tritonnorm", "reference", "torch", "layernorm")
-FFN_KINDS = ("swiglu", "gelu")
+FFN_KINDS = ("swiglu", "gelu", "relu2")
 
 #: The largest integer any setting takes: torch's int64 (sizes, steps, seeds).
 INT_LIMIT = 2**63
-#: The longest wait a setting in seconds takes (``--timeout``): a year, well inside what
-#: ``datetime.timedelta`` and the process group's millisecond timeouts hold.
+#: The longest wait in seconds (``--timeout``): a year, inside timedelta's and Gloo's range.
 MAX_SECONDS = 365 * 86400.0
 
 
 def setting(default: Any = None, *, choices: tuple[str, ...] | None = None,
             group: str | None = None, **cli: Any) -> Any:
-    """A dataclass field that is also a command-line setting (its range is checked by its
-    class's ``check``).
+    """A dataclass field that is also a command-line setting (range checked by ``check``).
 
     Args:
         default: the default value.
@@ -166,18 +162,25 @@ class ModelConfig:
     tie_embeddings: bool = setting(False, group="model")
     """Share the token embedding matrix with the output (LM head) projection."""
     ffn: str = setting("swiglu", choices=FFN_KINDS, group="model")
-    """Feed-forward kind: "swiglu" (three matrices, SiLU gate) or "gelu" (two matrices)."""
+    """Feed-forward kind: "swiglu" (three matrices, SiLU gate), "gelu" or "relu2" (two
+    matrices; ReLU squared)."""
     embed_scale: float = setting(EMBED_SCALE, group="model", default_text="35.36")
-    """Multiplier of the token-plus-position embedding: with the tables' N(0, 0.02) it
-    starts the residual stream at unit RMS (lab2_trainer.recipe.defaults says why)."""
+    """Multiplier of the embedding: with N(0, 0.02) tables, a unit-RMS residual stream at
+    the start (lab2_trainer.recipe.defaults says why)."""
     dropout: float = setting(0.0, group="model")
-    """Dropout rate on the embedding and on each attention and feed-forward output while
-    training (0: none). On the default corpus, 0.1 did not lower medium's loss at 1,500
-    steps (docs/benchmarks/2026-12-05-h100-quality.md)."""
+    """Dropout rate on the embedding and each attention and feed-forward output in training
+    (0: none); 0.1 did not help medium (docs/benchmarks/2026-12-05-h100-quality.md)."""
+    rope: bool = setting(False, group="model")
+    """Rotary positions on q and k (base 10000) instead of the learned position table."""
+    qk_norm: bool = setting(False, group="model")
+    """RMS-normalise q and k of each head (no weight) before attention."""
+    zero_init_proj: bool = setting(False, group="model")
+    """Initialise attention's ``proj`` and the feed-forward's ``w2`` to zero."""
+    logit_softcap: float = setting(0.0, group="model")
+    """Logits become cap * tanh(logits / cap) before the loss and sampling (0: off)."""
 
     def check(self) -> None:
-        """Each field in its range, in field order; ``ValueError`` with one line naming
-        the first bad one."""
+        """Each field in its range, in field order; ``ValueError`` naming the first bad one."""
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             _integer(name, getattr(self, name), 1, what="a positive integer",
                      below="a positive integer")
@@ -188,20 +191,17 @@ class ModelConfig:
         _one_of("ffn", self.ffn, FFN_KINDS)
         _number("embed_scale", self.embed_scale, lambda v: v > 0, "> 0")
         _number("dropout", self.dropout, lambda v: 0 <= v < 1, "in [0, 1)")
+        _number("logit_softcap", self.logit_softcap, lambda v: v >= 0, ">= 0")
 
     def validate(self) -> ModelConfig:
-        """Check every field (:meth:`check`) and that the heads divide the width; raise
-        ``ValueError`` with one line naming the bad one.
-
-        Returns:
-            ``self``, so that ``ModelConfig(...).validate()`` chains.
-        """
+        """Check every field (:meth:`check`), that the heads divide the width (evenly with
+        rope); raise ``ValueError`` naming the bad one. Returns ``self``, to chain."""
         self.check()
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
-                f"(each head needs d_model / n_heads dimensions)"
-            )
+            raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
+                             "(each head needs d_model / n_heads dimensions)")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head width, got {self.head_dim}")
         return self
 
     @property
@@ -236,11 +236,9 @@ class ModelConfig:
 BEFORE_FIELDS: dict[str, Any] = {"embed_scale": 1.0}
 
 
-# The course handout's sizes, plus `tiny`, which trains to well below the byte-unigram
-# entropy in a few minutes on 2 CPU cores. 6.7B and 13B are the GPT-3 table's widths, depths
-# and heads; their SwiGLU width is 8/3 d_model rounded up to a multiple of 256 (the handout's
-# 4 d_model with three SwiGLU matrices would make them 8.6B and 16.8B), so that their
-# parameters match their names as GPT-3's GELU layers of 4 d_model do (12 d_model^2 a block).
+# The course handout's sizes, plus `tiny` (below the byte-unigram entropy in minutes on 2 CPU
+# cores). 6.7B and 13B: GPT-3's widths, depths and heads, SwiGLU width 8/3 d_model rounded up
+# to a multiple of 256 so that their parameters match their names (12 d_model^2 a block).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=128, d_ff=384, n_layers=3, n_heads=4, context_length=64),
     "small": dict(d_model=768, d_ff=3072, n_layers=12, n_heads=12, context_length=512),

@@ -16,25 +16,27 @@ from typing import Any
 # ------------------------------------------------------------------------- parameters
 def block_matmul_parameters(config: Any) -> int:
     """Parameters of one decoder block's matrix products (attention's four projections and
-    the feed-forward's two or three matrices)."""
+    the feed-forward's two or three matrices; rope and qk_norm add none)."""
     ffn = 3 if config.ffn == "swiglu" else 2
     return 4 * config.d_model * config.d_model + ffn * config.d_model * config.d_ff
 
 
 def parameter_counts(config: Any) -> dict[str, int]:
     """The model's parameters by kind: ``block`` (one block's), ``block_matmul`` (its
-    matrices'), ``blocks``, ``embeddings`` (token and position tables), ``head`` (the LM
+    matrices'), ``blocks``, ``embeddings`` (token and position tables; no position table
+    under rope), ``head`` (the LM
     head, 0 when tied), ``norms`` (the final norm), ``total``, and ``matmul``: those that
     take part in matrix products (the ``N`` of the FLOPs)."""
     d = config.d_model
     norm = 2 * d if config.norm == "layernorm" else d  # LayerNorm has a bias
     block_matmul = block_matmul_parameters(config)
     block = block_matmul + 2 * norm
-    embeddings = (config.vocab_size + config.context_length) * d
+    positions = 0 if getattr(config, "rope", False) else config.context_length
+    embeddings = (config.vocab_size + positions) * d
     head = 0 if config.tie_embeddings else config.vocab_size * d
     total = config.n_layers * block + embeddings + head + norm
     # All but the position table, and the token table unless it is the head.
-    matmul = total - config.context_length * d - (0 if config.tie_embeddings
+    matmul = total - positions * d - (0 if config.tie_embeddings
                                                   else config.vocab_size * d)
     return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
             "embeddings": embeddings, "head": head, "norms": norm, "total": total,

@@ -2,7 +2,11 @@
 a KV cache (:mod:`lab2_trainer.models.kv_cache`), and activation checkpointing of its blocks.
 
 Pre-norm blocks (norm -> causal self-attention -> residual, norm -> feed-forward ->
-residual), learned absolute positions, a final norm and a linear LM head. Attention goes
+residual), learned absolute positions, a final norm and a linear LM head. Options
+(``ModelConfig``, all off by default): rotary positions on q and k instead of the position
+table (``rope``), parameter-free RMS norm of q and k per head (``qk_norm``), a ReLU-squared
+feed-forward (``ffn="relu2"``), zero-initialised residual projections (``zero_init_proj``)
+and ``cap * tanh(logits / cap)`` on the logits (``logit_softcap``). Attention goes
 through ``F.scaled_dot_product_attention(is_causal=True)`` so every backend PyTorch has
 (flash, memory-efficient, math) is used where it applies. Dropout
 (``ModelConfig.dropout``), while training, on the embedding and on each branch output.
@@ -132,6 +136,38 @@ def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return F.dropout(x, p, training) if p and training else x
 
 
+def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` divided by its root mean square over the last dimension (no weight), computed
+    in float32 at least, returned in ``x``'s dtype."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, start: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (B, heads, T, head_dim) at positions ``start`` on:
+    the pair (x[i], x[i + head_dim / 2]) of position p turned by the angle
+    ``p * base ** (-2 i / head_dim)``. Computed in float32 at least, returned in x's dtype;
+    the angles are made here (a few kernels) rather than held in a buffer, so the module
+    keeps no state that sharding, meta construction or a checkpoint would have to carry."""
+    wide_dtype = torch.promote_types(x.dtype, torch.float32)
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=wide_dtype) / half)
+    pos = torch.arange(start, start + x.shape[-2], device=x.device, dtype=wide_dtype)
+    angle = pos[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.to(wide_dtype).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class _NoTable(nn.Module):
+    """Where ``pos_emb`` stands under rope: no parameters, a ``weight`` of no rows (a
+    non-persistent buffer), so code that counts ``pos_emb.weight`` counts nothing."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0, dim), persistent=False)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t only.
 
@@ -139,11 +175,17 @@ class CausalSelfAttention(nn.Module):
     :meth:`TransformerLM.forward_cached` for its duration), the input is the next tokens
     only: their keys and values are appended to the cache, and they attend to every
     position held there.
+
+    With ``rope`` q and k are rotated by their positions: the whole sequence's (the
+    projection's output holds all of it, under sequence parallelism too), or while decoding
+    those after the cached ones. With ``qk_norm`` they are RMS-normalised per head first.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
+        self.rope = config.rope
+        self.qk_norm_eps = config.eps if config.qk_norm else None
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.kv: LayerKV | None = None
@@ -158,6 +200,11 @@ class CausalSelfAttention(nn.Module):
         head_dim = q.shape[-1] // self.n_heads
         # (B, T, D) -> (B, heads, T, head_dim), the layout SDPA expects.
         q, k, v = (z.view(b, t, self.n_heads, head_dim).transpose(1, 2) for z in (q, k, v))
+        if self.qk_norm_eps is not None:
+            q, k = rms_normalise(q, self.qk_norm_eps), rms_normalise(k, self.qk_norm_eps)
+        if self.rope:
+            start = 0 if self.kv is None else self.kv.owner.length
+            q, k = rotate(q, start), rotate(k, start)
         if self.kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -181,7 +228,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (``w2(silu(w1 x) * w3 x)``) or GELU (``w2(gelu(w1 x))``) feed-forward layer."""
+    """SwiGLU (``w2(silu(w1 x) * w3 x)``), GELU (``w2(gelu(w1 x))``) or ReLU-squared
+    (``w2(relu(w1 x)^2)``) feed-forward layer."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -195,6 +243,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.kind == "relu2":
+            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.gelu(self.w1(x)))
 
 
@@ -295,7 +345,9 @@ class TransformerLM(nn.Module):
     def _build(self, config: ModelConfig) -> None:
         """The modules, in registration order (their storage comes later)."""
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.context_length, config.d_model)
+        # Under rope no position table: a stand-in with no parameters (:class:`_NoTable`).
+        self.pos_emb = (_NoTable(config.d_model) if config.rope
+                        else nn.Embedding(config.context_length, config.d_model))
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm_f = make_norm(config.norm, config.d_model, config.eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -337,7 +389,9 @@ class TransformerLM(nn.Module):
         (``embed_scale`` brings their sum to unit RMS);
         matrices N(0, 0.02), those that write into the residual stream N(0, 0.02 /
         sqrt(2 n_layers)); the LM head N(0, 0.5 / sqrt(d_model)): near-uniform logits;
-        norm weights one, biases zero. The recipe's docstring says why."""
+        norm weights one, biases zero. The recipe's docstring says why. With
+        ``zero_init_proj`` the residual projections are drawn, then zeroed (the other
+        weights are those of the same seed without it)."""
         device = self.tok_emb.weight.device
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
@@ -361,6 +415,8 @@ class TransformerLM(nn.Module):
             else:
                 role = "matrix"
             param.normal_(0.0, std[role], generator=gen)
+            if role == "residual" and self.config.zero_init_proj:
+                param.zero_()
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
         """Number of parameters (tied ones counted once).
@@ -409,7 +465,9 @@ class TransformerLM(nn.Module):
 
     def _embedding(self, idx: torch.Tensor, start: int) -> torch.Tensor:
         """Token plus position embeddings of ``idx`` (B, T) at positions ``start`` on,
-        times ``embed_scale``."""
+        times ``embed_scale`` (no position table under rope: attention rotates q and k)."""
+        if self.config.rope:
+            return self.tok_emb(idx) * self.config.embed_scale
         pos = torch.arange(start, start + idx.shape[-1], device=idx.device)
         index, slices = self.sequence_shard
         if slices > 1:
@@ -419,7 +477,7 @@ class TransformerLM(nn.Module):
     def head(self, x: torch.Tensor, pending: torch.Tensor, targets: torch.Tensor | None):
         """The final norm (adding the last block's ``pending`` branch), the LM head, and
         with ``targets`` the mean cross-entropy: :meth:`forward`'s return value."""
-        logits = self.lm_head(add_and_norm(self.norm_f, x, pending)[0])
+        logits = self.softcap(self.lm_head(add_and_norm(self.norm_f, x, pending)[0]))
         if targets is None:
             return logits
         # Cross-entropy in float32 even under autocast: the log-softmax over the
@@ -428,6 +486,16 @@ class TransformerLM(nn.Module):
         wide = logits if logits.dtype == torch.float64 else logits.float()
         loss = self.loss_fn(wide.flatten(0, -2), targets.flatten())
         return logits, loss
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap * tanh(logits / cap)`` with ``cap = logit_softcap`` (in float32 at least),
+        or the logits as they are when it is 0. Elementwise: on a tensor-parallel rank's
+        slice of the vocabulary it is the whole logits' cap, sliced."""
+        cap = self.config.logit_softcap
+        if not cap:
+            return logits
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return cap * torch.tanh(wide / cap)
 
     def attention_layers(self) -> list[CausalSelfAttention]:
         """The attention modules, first layer first (what a KV cache has one entry for)."""
@@ -471,7 +539,8 @@ class TransformerLM(nn.Module):
             for attn in layers:
                 attn.kv = None
         cache.advance(t)
-        return self.lm_head(add_and_norm(self.norm_f, x[:, -1:], pending[:, -1:])[0])[:, -1]
+        last = add_and_norm(self.norm_f, x[:, -1:], pending[:, -1:])[0]
+        return self.softcap(self.lm_head(last))[:, -1]
 
     def _run_blocks(self, x: torch.Tensor, pending: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
