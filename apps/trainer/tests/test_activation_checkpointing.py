@@ -13,8 +13,9 @@ import torch
 
 from lab2_testing.dist import run_ranks
 from lab2_trainer.config import ModelConfig, TrainSettings
+from lab2_trainer.models.activation_checkpointing import recomputed_blocks, selective_kind
 from lab2_trainer.models.shapes import block_matmul_parameters, flops_per_token
-from lab2_trainer.models.transformer import TransformerLM, recomputed_blocks, selective_kind
+from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.reporting.report import recompute_flops_per_token
 from lab2_trainer.runtime.launch import DistContext
 from lab2_trainer.training.loop import Trainer
@@ -155,7 +156,7 @@ def test_trainer_reports_hfu_beside_mfu(corpus_dir, tmp_path):
 
 
 def test_selective_falls_back_to_every_other_block_without_the_policy_api(monkeypatch):
-    import lab2_trainer.models.transformer as ac
+    import lab2_trainer.models.activation_checkpointing as ac
 
     monkeypatch.setattr(ac, "has_op_policy", lambda: False)
     monkeypatch.setattr(ac, "_warned", False)

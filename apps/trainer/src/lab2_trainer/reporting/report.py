@@ -39,8 +39,8 @@ from rich.table import Table
 from torch import nn
 
 from lab2_trainer.config import ModelConfig
+from lab2_trainer.models.activation_checkpointing import recomputed_blocks
 from lab2_trainer.models.shapes import recompute_flops
-from lab2_trainer.models.transformer import recomputed_blocks
 from lab2_trainer.runtime.run_folder import atomic_write, atomic_write_text
 from lab2_trainer.runtime.wall_clock import describe as describe_wall_clock
 

@@ -35,8 +35,9 @@ from lab2_trainer.config import (
 )
 from lab2_trainer.data.batches import BatchSampler, Prefetcher, check_batch_layout
 from lab2_trainer.data.corpus import compression_baselines, load_corpus, unigram_entropy
+from lab2_trainer.models.activation_checkpointing import selective_kind
 from lab2_trainer.models.shapes import training_flops_per_token
-from lab2_trainer.models.transformer import TransformerLM, selective_kind
+from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.mesh import Mesh
 from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.recipe.schedule import WarmupCosine
