@@ -205,6 +205,7 @@ class _VocabParallelCrossEntropy(Function):
             g = (z[rows].to(dtype) - lse[rows, None]).exp_().mul_(scale[rows, None])
             g.scatter_add_(1, local_t[rows, None], hit[rows, None])
             grad_z[rows] = g
+            del g  # before the next chunk's is made: one chunk alive at a time
         return grad_z.view(local_logits.shape), None, None, None, None
 
 
