@@ -128,3 +128,21 @@ def test_the_command_line_recommends_and_refuses():
                           "--tp", "3", "--gpus-per-node", "8"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--tp 3" in bad.stderr
+
+
+def test_the_memory_check_before_a_run_counts_each_rank_s_share(monkeypatch):
+    """13B at --tp 8 on 8 GPUs of 80 GB: a rank holds an eighth of the matrices, so the check
+    before a run lets it through, where counting the whole model per rank refused it."""
+    import torch
+
+    from lab2_trainer.cli.checks import check_memory
+    from lab2_trainer.config import TrainSettings, UsageError
+
+    gpu = type("Properties", (), {"total_memory": 80 * 1024**3})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    s = TrainSettings(model=model_config("13B"), tp=8, nproc=8, sharding="none", ddp="none",
+                      batch_size=8)
+    check_memory(s, 8, "cuda")  # 13B / 8 x 16 bytes = 26 GB a rank: fits
+    with pytest.raises(UsageError, match="per GPU"):
+        check_memory(dataclasses.replace(s, tp=1), 8, "cuda")  # 208 GB a rank: does not

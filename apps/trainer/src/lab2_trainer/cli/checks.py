@@ -23,6 +23,7 @@ from typing import Any
 
 from lab2_trainer.config import UsageError
 from lab2_trainer.models.shapes import parameter_count, training_state_bytes
+from lab2_trainer.planner.plan import local_counts
 
 GIB = 1024**3
 
@@ -130,13 +131,18 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
     Raises:
         UsageError: with the estimate and what is available.
     """
-    n = parameter_count(settings.model)
-    micro = max(1, settings.batch_size // max(1, world_size) // max(1, settings.grad_accum))
-    logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size
-    per_rank = training_state_bytes(n, settings.sharding, world_size,
+    # Under --tp each rank holds its share of the model (the planner's count), which the
+    # sharding kind shards over the data-parallel ranks; the logits are a tp-th too.
+    tp = max(1, getattr(settings, "tp", 1))
+    dp = max(1, world_size // tp)
+    n = parameter_count(settings.model) if tp == 1 else local_counts(settings.model, tp)["total"]
+    micro = max(1, settings.batch_size // dp // max(1, settings.grad_accum))
+    logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size // tp
+    per_rank = training_state_bytes(n, settings.sharding, dp,
                                     getattr(settings, "reshard_after_forward", True)) + logits
-    what = (f"{n:,} parameters: weights, gradients and AdamW state in fp32 (sharded as "
-            f"--sharding {settings.sharding} shards them), and the logits of a micro-batch")
+    what = (f"{n:,} parameters{' per tensor-parallel rank' if tp > 1 else ''}: weights, "
+            f"gradients and AdamW state in fp32 (sharded as --sharding {settings.sharding} "
+            "shards them), and the logits of a micro-batch")
     hint = "make it smaller (--vocab-size, --d-model, --n-layers, --batch-size)"
     if device_type == "cuda":
         try:
