@@ -115,3 +115,28 @@ def run_mains(module: str, cases: list[tuple[str, list[str]]],
     except (json.JSONDecodeError, IndexError):
         raise AssertionError(f"{module} crashed (exit {proc.returncode}):\n{proc.stdout}\n"
                              f"{proc.stderr}") from None
+
+
+def one_error_line(rc: int, err: str, fragments: tuple[str, ...]) -> str:
+    """The refusal ``lab2-train`` promises for bad input: exit code 2 and one line on stderr,
+    ``lab2-train: error: ...``, holding every fragment; returns that line."""
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("lab2-train: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def refused_here(capsys, monkeypatch, args: list[str], folder, *fragments: str) -> str:
+    """``lab2-train``'s ``main(args)`` in this process, run in ``folder``: one error line
+    holding every fragment (:func:`one_error_line`), and nothing written there."""
+    from lab2_trainer.cli.main import main
+
+    folder.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(folder)
+    before = folder_listing(folder)
+    rc = main(args)
+    line = one_error_line(rc, capsys.readouterr().err, fragments)
+    assert folder_listing(folder) == before, "something was written"
+    return line

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab2_testing.cli import folder_listing
+from lab2_testing.cli import folder_listing, one_error_line, refused_here
 from lab2_testing.procs import children, running, wait_for
 from lab2_trainer.checkpoint import single_file as integrity
 from lab2_trainer.checkpoint.folders import (
@@ -64,33 +64,13 @@ def lab2_train(args: list[str], cwd: Path, timeout: float = START_S,
                           text=True, timeout=timeout)
 
 
-def _one_line(rc: int, err: str, fragments: tuple[str, ...]) -> str:
-    lines = err.strip().splitlines()
-    assert rc == 2, err
-    assert len(lines) == 1 and lines[0].startswith("lab2-train: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
-
 def refused(args: list[str], folder: Path, *fragments: str) -> str:
     """The command, run in ``folder``: exit 2, one line holding every fragment, and
     ``folder`` unchanged."""
     folder.mkdir(parents=True, exist_ok=True)
     before = folder_listing(folder)
     proc = lab2_train(args, folder)
-    line = _one_line(proc.returncode, proc.stderr, fragments)
-    assert folder_listing(folder) == before, "something was written"
-    return line
-
-
-def refused_here(capsys, monkeypatch, args: list[str], folder: Path, *fragments: str) -> str:
-    """:func:`refused` through ``main()`` in this process."""
-    folder.mkdir(parents=True, exist_ok=True)
-    monkeypatch.chdir(folder)
-    before = folder_listing(folder)
-    rc = main(args)
-    line = _one_line(rc, capsys.readouterr().err, fragments)
+    line = one_error_line(proc.returncode, proc.stderr, fragments)
     assert folder_listing(folder) == before, "something was written"
     return line
 
@@ -228,7 +208,7 @@ def test_6_a_toml_preset_that_is_not_a_string_is_refused(capsys, monkeypatch, tm
 
 
 # ------------------------------------------------------------- 7. a plain pickle
-def test_7_a_plain_pickle_as_resume_is_one_line(tmp_path):
+def test_7_a_plain_pickle_as_resume_isone_error_line(tmp_path):
     case = tmp_path / "case"
     case.mkdir()
     (case / "ckpt.pt").write_bytes(pickle.dumps({"a": {1, 2}}, protocol=4))

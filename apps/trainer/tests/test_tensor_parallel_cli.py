@@ -10,12 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from lab2_testing.cli import folder_listing
-from lab2_trainer.cli.main import main
+from lab2_testing.cli import folder_listing, one_error_line, refused_here
 from lab2_trainer.config import TrainSettings, model_config
 
 #: A tiny run (4 heads, d_ff 64, context 32; the byte vocabulary of 256).
@@ -25,34 +23,13 @@ B = ["--steps", "2", "--batch-size", "4", "--d-model", "32", "--n-layers", "1", 
 CMD = [sys.executable, "-c", "import sys; from lab2_trainer.cli.main import main; sys.exit(main())"]
 
 
-def _one_line(rc: int, err: str, fragments: tuple[str, ...]) -> str:
-    lines = err.strip().splitlines()
-    assert rc == 2, err
-    assert len(lines) == 1 and lines[0].startswith("lab2-train: error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
-
-def refused_here(capsys, monkeypatch, args: list[str], folder: Path, *fragments: str) -> str:
-    """``main(args)`` in ``folder``: exit 2, one line holding every fragment, and the
-    folder unchanged."""
-    folder.mkdir(parents=True, exist_ok=True)
-    monkeypatch.chdir(folder)
-    before = folder_listing(folder)
-    rc = main(args)
-    line = _one_line(rc, capsys.readouterr().err, fragments)
-    assert folder_listing(folder) == before, "something was written"
-    return line
-
-
 def test_tp_that_does_not_divide_the_ranks_is_refused_by_the_real_command(tmp_path):
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     before = folder_listing(tmp_path)
     proc = subprocess.run([*CMD, *B, "--nproc", "3", "--tp", "2"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
-    _one_line(proc.returncode, proc.stderr, ("--tp 2 does not divide the 3 ranks",))
+    one_error_line(proc.returncode, proc.stderr, ("--tp 2 does not divide the 3 ranks",))
     assert folder_listing(tmp_path) == before
 
 
