@@ -208,7 +208,7 @@ def test_6_a_toml_preset_that_is_not_a_string_is_refused(capsys, monkeypatch, tm
 
 
 # ------------------------------------------------------------- 7. a plain pickle
-def test_7_a_plain_pickle_as_resume_isone_error_line(tmp_path):
+def test_7_a_plain_pickle_as_resume_is_one_line(tmp_path):
     case = tmp_path / "case"
     case.mkdir()
     (case / "ckpt.pt").write_bytes(pickle.dumps({"a": {1, 2}}, protocol=4))
