@@ -317,6 +317,23 @@ def default_layout(world_size: int, sharding: str | None, ddp: str | None
     return sharding, ddp
 
 
+def tp_shape_problem(model: ModelConfig, tp: int, sequence_parallel: bool) -> str | None:
+    """What keeps ``tp`` ranks from cutting ``model`` into equal parts (heads, feed-forward
+    width, vocabulary; the sequence under sequence parallelism), in one line; None: nothing.
+    The run's checks, the planner's and the cut itself all ask this."""
+    if tp == 1:
+        return ("--sequence-parallel splits the sequence over --tp ranks: give --tp > 1"
+                if sequence_parallel else None)
+    for name in ("n_heads", "d_ff", "vocab_size"):
+        if getattr(model, name) % tp:
+            return (f"--tp {tp} does not divide {flag(name)} {getattr(model, name)}: each "
+                    "tensor-parallel rank holds an equal part")
+    if sequence_parallel and model.context_length % tp:
+        return (f"--sequence-parallel needs --tp {tp} to divide {flag('context_length')} "
+                f"{model.context_length}")
+    return None
+
+
 def step_range(label: str, text: Any) -> tuple[int, int]:
     """``"A:B"`` as the steps (A, B), with 1 <= A <= B; else ``ValueError`` naming
     ``label``."""
@@ -646,22 +663,14 @@ class TrainSettings:
         """``--tp`` divides the ranks and every dimension it splits; ``ValueError`` with one
         line naming the first that it does not."""
         tp, m = self.tp, self.model
-        if tp == 1:
-            if self.sequence_parallel:
-                raise ValueError("--sequence-parallel splits the sequence over --tp ranks: "
-                                 "give --tp > 1")
-            return
-        if world_size % tp:
+        if tp > 1 and world_size % tp:
             raise ValueError(f"--tp {tp} does not divide the {world_size} ranks (the ranks are "
                              "data-parallel x tensor-parallel)")
-        for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff),
-                           ("vocab_size", m.vocab_size)):
-            if size % tp:
-                raise ValueError(f"--tp {tp} does not divide {flag(name)} {size}: each "
-                                 "tensor-parallel rank holds an equal part")
-        if self.sequence_parallel and m.context_length % tp:
-            raise ValueError(f"--sequence-parallel needs --tp {tp} to divide "
-                             f"{flag('context_length')} {m.context_length}")
+        problem = tp_shape_problem(m, tp, self.sequence_parallel)
+        if problem is not None:
+            raise ValueError(problem)
+        if tp == 1:
+            return
         # What tensor parallelism does not support yet, refused before any rank starts.
         if m.dropout:
             raise ValueError(f"--tp {tp} does not support {flag('dropout')} yet (the ranks "

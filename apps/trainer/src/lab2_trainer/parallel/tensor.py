@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab2_trainer.config import ModelConfig
+from lab2_trainer.config import ModelConfig, tp_shape_problem
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.mesh import Mesh
 from minitp import (
@@ -129,15 +129,11 @@ class TensorLayout:
 
 
 def check_shardable(config: ModelConfig, tp: int, sequence_parallel: bool) -> None:
-    """Refuse a model that ``tp`` ranks cannot cut (``ValueError``, one line)."""
-    for what, size in (("n_heads", config.n_heads), ("d_ff", config.d_ff),
-                       ("vocab_size", config.vocab_size)):
-        if size % tp:
-            raise ValueError(f"tensor parallelism over {tp} ranks: {what} = {size} does "
-                             "not divide")
-    if sequence_parallel and config.context_length % tp:
-        raise ValueError(f"sequence parallelism over {tp} ranks: context_length = "
-                         f"{config.context_length} does not divide")
+    """Refuse a model that ``tp`` ranks cannot cut (``ValueError``, one line): the run's
+    own check (:func:`lab2_trainer.config.tp_shape_problem`), for callers that bypass it."""
+    problem = tp_shape_problem(config, tp, sequence_parallel)
+    if problem is not None:
+        raise ValueError(problem)
     if config.dropout:
         raise ValueError("tensor parallelism does not support dropout yet (each rank would "
                          "draw its own masks)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lab2_trainer.config import ACTIVATION_CHECKPOINTING
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, tp_shape_problem
 from lab2_trainer.planner.plan import PlanInput, plan
 
 #: The sharding kinds a recommendation weighs (see the module docstring).
@@ -34,10 +34,9 @@ KINDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 
 def tp_choices(p: PlanInput) -> list[int]:
     """Tensor-parallel sizes that a plan of ``p``'s model and machine can take."""
-    m = p.model
     return [t for t in range(1, p.gpus_per_node + 1)
-            if p.gpus_per_node % t == 0 and m.n_heads % t == 0 and m.d_ff % t == 0
-            and m.vocab_size % t == 0 and (p.batch_size % (p.world_size // t) == 0)]
+            if p.gpus_per_node % t == 0 and tp_shape_problem(p.model, t, False) is None
+            and p.batch_size % (p.world_size // t) == 0]
 
 
 def _fitting(p: PlanInput) -> dict[str, Any] | None:

@@ -80,6 +80,7 @@ from lab2_trainer.config import (
     ModelConfig,
     default_layout,
     setting,
+    tp_shape_problem,
 )
 from lab2_trainer.models.shapes import (
     checkpoint_bytes,
@@ -230,21 +231,12 @@ class PlanInput:
         tp, m = self.tp, self.model
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
-        if tp == 1:
-            if self.sequence_parallel:
-                raise ValueError("--sequence-parallel splits the sequence over --tp ranks: "
-                                 "give --tp > 1")
-            return
-        if self.gpus_per_node % tp:
+        if tp > 1 and self.gpus_per_node % tp:
             raise ValueError(f"--tp {tp} must divide --gpus-per-node {self.gpus_per_node}: a "
                              "tensor-parallel group talks at every layer, so it stays in a node")
-        for name, size in (("n-heads", m.n_heads), ("d-ff", m.d_ff),
-                           ("vocab-size", m.vocab_size)):
-            if size % tp:
-                raise ValueError(f"--tp {tp} does not divide --{name} {size}")
-        if self.sequence_parallel and m.context_length % tp:
-            raise ValueError(f"--sequence-parallel needs --tp {tp} to divide "
-                             f"--context-length {m.context_length}")
+        problem = tp_shape_problem(m, tp, self.sequence_parallel)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def local_counts(config: ModelConfig, tp: int) -> dict[str, int]:
