@@ -130,31 +130,6 @@ class Model(nn.Module):
         return self.head(self.norm(h))
 
 
-class _CountAllToAll:
-    """Elements each ``all_to_all_single`` sends to other ranks."""
-
-    def __enter__(self) -> list[int]:
-        import torch.distributed as dist
-
-        self.calls: list[int] = []
-        self._original = dist.all_to_all_single
-
-        def counted(output, input, output_split_sizes=None, input_split_sizes=None,
-                    *args, **kwargs):
-            mine = input_split_sizes[dist.get_rank()] if input_split_sizes else 0
-            self.calls.append(input.numel() - mine)
-            return self._original(output, input, output_split_sizes, input_split_sizes,
-                                  *args, **kwargs)
-
-        dist.all_to_all_single = counted
-        return self.calls
-
-    def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
-        dist.all_to_all_single = self._original
-
-
 def bytes_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Elements this rank sends in the second step, per stage and optimizer pairing."""
     import zero1
@@ -178,10 +153,9 @@ def bytes_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 opts = [zero1.ShardedOptimizer(matrices, cls, stage=stage, **kwargs),
                         zero1.ShardedOptimizer(rest, torch.optim.AdamW, stage=stage, lr=1e-3)]
             gen = torch.Generator().manual_seed(rank)
-            with count_collectives() as counted, _CountAllToAll() as a2a:
+            with count_collectives() as counted:
                 for _ in range(2):
                     counted.reset()
-                    a2a.clear()
                     tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
                     logits = model(tokens)
                     F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
@@ -189,8 +163,9 @@ def bytes_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                         opt.step()
                     for opt in opts:
                         opt.zero_grad()
-            out[f"{stage}/{name}"] = {"collectives": counted.volume_elements,
-                                      "all_to_all": sum(a2a)}
+            a2a = sum(n for kind, n, _ in counted.calls if kind == "all_to_all_single")
+            out[f"{stage}/{name}"] = {"collectives": counted.volume_elements - a2a,
+                                      "all_to_all": a2a}
             out["psi"] = sum(p.numel() for p in model.parameters())
             out["psi_matrices"] = sum(p.numel() for p in matrices)
     return out

@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -159,28 +158,6 @@ if hasattr(torch.optim, "Muon"):  # PyTorch's, orthogonalising in bfloat16
 
 
 # ---------------------------------------------------------------------------- counting
-class _CountAllToAll:
-    """Elements each ``all_to_all_single`` sends to other ranks (what
-    ``lab2bench.comm.count_collectives`` does not count)."""
-
-    def __enter__(self) -> list[int]:
-        self.calls: list[int] = []
-        self._original = dist.all_to_all_single
-
-        def counted(output, input, output_split_sizes=None, input_split_sizes=None,
-                    *args, **kwargs):
-            mine = input_split_sizes[dist.get_rank()] if input_split_sizes else 0
-            self.calls.append(input.numel() - mine)
-            return self._original(output, input, output_split_sizes, input_split_sizes,
-                                  *args, **kwargs)
-
-        dist.all_to_all_single = counted
-        return self.calls
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.all_to_all_single = self._original
-
-
 def _held_elements(opt, p: torch.Tensor, stage: int) -> int:
     """Elements of ``p`` in this rank's shard."""
     if stage == 3:
@@ -201,14 +178,15 @@ def _bytes(rank: int, world: int, stage: int) -> dict:
         if stage == 3:
             zero1.shard_model(model)
         opts = _optimizers(model, stage, cls, kwargs)
-        with count_collectives() as counted, _CountAllToAll() as a2a:
+        with count_collectives() as counted:
             for step in range(2):
                 counted.reset()
-                a2a.clear()
                 _train(model, opts, rank, world, 1, first=step)
         matrices, _ = _split(model)
-        out[name] = {"volume": counted.volume_elements, "kinds": counted.by_kind(),
-                     "a2a": list(a2a)}
+        # The owners' all-to-alls apart from the buckets' and units' collectives.
+        a2a = [n for kind, n, _ in counted.calls if kind == "all_to_all_single"]
+        out[name] = {"volume": counted.volume_elements - sum(a2a), "kinds": counted.by_kind(),
+                     "a2a": a2a}
         if name == "muon":
             out["numels"] = [p.numel() for p in matrices]
             out["held"] = [_held_elements(opts[0], p, stage) for p in matrices]

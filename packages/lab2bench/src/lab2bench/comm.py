@@ -264,7 +264,7 @@ _COUNTED = {
 }
 _FACTOR = {"all_reduce": 2, "allreduce": 2, "reduce_scatter_tensor": 1,
            "all_gather_into_tensor": 1, "broadcast": 1, "reduce": 1,
-           "reduce_scatter_single": 1, "all_gather_single": 1}
+           "reduce_scatter_single": 1, "all_gather_single": 1, "all_to_all_single": 1}
 
 
 class CollectiveCounter:
@@ -308,7 +308,8 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
     ``all_gather_into_tensor``, ``broadcast`` and ``reduce`` (and ``reduce_scatter_single``
     and ``all_gather_single``, FSDP2's, where this torch has them), and
     ``ProcessGroup.allreduce`` called directly (as minddp does to skip the wrapper's
-    checks), each once. Collectives that PyTorch issues from C++
+    checks), each once; and ``all_to_all_single``, counted as the elements this rank sends
+    to the others (its input less the split it keeps). Collectives that PyTorch issues from C++
     (``DistributedDataParallel``'s reducer) are not seen, nor the small object collectives
     (``all_gather_object``, ``gather_object``).
     """
@@ -355,6 +356,21 @@ class count_collectives:  # noqa: N801 (used as a function: ``with count_collect
                 record("allreduce", list(tensors) if isinstance(tensors, (list, tuple))
                        else [tensors])
             return original_allreduce(group, tensors, *args, **kwargs)
+
+        original_a2a = getattr(dist, "all_to_all_single", None)
+        if original_a2a is not None:
+            def all_to_all(output: Any, input: Any, output_split_sizes: Any = None,
+                           input_split_sizes: Any = None, *args: Any, **kwargs: Any) -> Any:
+                group = args[0] if args else kwargs.get("group")
+                own = (input_split_sizes[dist.get_rank(group)] if input_split_sizes
+                       else input.numel() // dist.get_world_size(group))
+                sent = input.numel() - own
+                calls.append(("all_to_all_single", sent, sent * input.element_size()))
+                return original_a2a(output, input, output_split_sizes, input_split_sizes,
+                                    *args, **kwargs)
+
+            self._saved.append((dist, "all_to_all_single", original_a2a))
+            dist.all_to_all_single = all_to_all
 
         # Restored from the class's own entry: the attribute read above is pybind's unbound
         # function, which would not bind to the group when set back on the class.
