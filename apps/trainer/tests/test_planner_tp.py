@@ -13,13 +13,12 @@ import pytest
 
 from lab2_testing.cli import run_main
 from lab2_trainer.config import model_config
-from lab2_trainer.models.shapes import parameter_counts
+from lab2_trainer.models.shapes import parameter_counts, rank_parameter_counts
 from lab2_trainer.planner.layout import recommend, tp_choices
 from lab2_trainer.planner.plan import (
     ACTIVATION_BYTES,
     PlanInput,
     layer_activation_bytes,
-    local_counts,
     plan,
 )
 
@@ -28,7 +27,7 @@ from lab2_trainer.planner.plan import (
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_rank_holds_a_tp_th_of_the_matrices_and_tables(preset, tp):
     c = model_config(preset)
-    whole, local = parameter_counts(c), local_counts(c, tp)
+    whole, local = parameter_counts(c), rank_parameter_counts(c, tp)
     replicated = c.context_length * c.d_model + whole["norms"] \
         + c.n_layers * (whole["block"] - whole["block_matmul"])
     assert local["total"] * tp == pytest.approx(whole["total"] + (tp - 1) * replicated)
@@ -72,7 +71,7 @@ def test_the_data_parallel_ranks_shard_the_local_state():
     p = PlanInput(model=c, batch_size=64, gpus_per_node=8, tp=4, sharding="zero3",
                   precision="bf16")
     items = plan(p)["memory_bytes"]
-    n = local_counts(c, 4)["total"]
+    n = rank_parameter_counts(c, 4)["total"]
     assert items["optimizer"] == 8 * n // 2  # AdamW's moments over dp = 8 / 4
     assert p.dp == 2 and p.micro_batch == 32
 
@@ -146,3 +145,11 @@ def test_the_memory_check_before_a_run_counts_each_rank_s_share(monkeypatch):
     check_memory(s, 8, "cuda")  # 13B / 8 x 16 bytes = 26 GB a rank: fits
     with pytest.raises(UsageError, match="per GPU"):
         check_memory(dataclasses.replace(s, tp=1), 8, "cuda")  # 208 GB a rank: does not
+
+
+def test_a_rank_s_count_has_no_position_table_under_rope():
+    plain, rope = model_config("small"), model_config("small", rope=True)
+    table = plain.context_length * plain.d_model
+    for tp in (1, 2, 4):
+        assert rank_parameter_counts(rope, tp)["total"] == \
+            rank_parameter_counts(plain, tp)["total"] - table

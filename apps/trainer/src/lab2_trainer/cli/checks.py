@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.models.shapes import parameter_count, training_state_bytes
-from lab2_trainer.planner.plan import local_counts
+from lab2_trainer.models.shapes import rank_parameter_counts, training_state_bytes
 
 GIB = 1024**3
 
@@ -131,11 +130,11 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
     Raises:
         UsageError: with the estimate and what is available.
     """
-    # Under --tp each rank holds its share of the model (the planner's count), which the
+    # Under --tp each rank holds its share of the model, which the
     # sharding kind shards over the data-parallel ranks; the logits are a tp-th too.
     tp = max(1, getattr(settings, "tp", 1))
     dp = max(1, world_size // tp)
-    n = parameter_count(settings.model) if tp == 1 else local_counts(settings.model, tp)["total"]
+    n = rank_parameter_counts(settings.model, tp)["total"]
     micro = max(1, settings.batch_size // dp // max(1, settings.grad_accum))
     logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size // tp
     per_rank = training_state_bytes(n, settings.sharding, dp,

@@ -43,6 +43,24 @@ def parameter_counts(config: Any) -> dict[str, int]:
             "matmul": matmul}
 
 
+def rank_parameter_counts(config: Any, tp: int) -> dict[str, int]:
+    """:func:`parameter_counts` of one of ``tp`` tensor-parallel ranks: 1/tp of every block
+    matrix, of the token table and of the head; the position table and the norms whole.
+    ``tp`` 1 is the whole model's."""
+    counts = parameter_counts(config)
+    if tp == 1:
+        return counts
+    tokens = config.vocab_size * config.d_model
+    block_matmul = counts["block_matmul"] // tp
+    block = block_matmul + counts["block"] - counts["block_matmul"]
+    tables = counts["embeddings"] - tokens + tokens // tp
+    head = counts["head"] // tp
+    total = config.n_layers * block + tables + head + counts["norms"]
+    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
+            "embeddings": tables, "head": head, "norms": counts["norms"], "total": total,
+            "matmul": counts["matmul"] // tp}  # every matrix product's weight is cut
+
+
 def parameter_count(config: Any) -> int:
     """The model's parameters (:func:`parameter_counts`' ``total``)."""
     return parameter_counts(config)["total"]

@@ -46,19 +46,19 @@ bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
 block's. The exposed part is reported.
 
-**Tensor parallelism** (``tp`` > 1, minitp's layers): the ranks are dp x tp, the tp ranks
-of a group within one node. Each rank holds 1/tp of every block matrix, of the token table
-and of the head (:func:`local_counts`; the position table and the norms whole), and the
-sharding kind shards that over the dp ranks. Activations: attention's and the
-feed-forward's inner tensors are 1/tp; the residual stream and the norms are whole per
-token, or 1/tp under sequence parallelism, which keeps the two gathered inputs of the
-column layers whole instead; the loss keeps 1/tp of the vocabulary. Step time: 1/tp of the
-rank's dp group's FLOPs; per block and micro-batch two collectives of ``tokens x d`` in the
-autocast dtype forward (the row layers' all-reduces, exposed) and two backward (the column
-layers' input gradients, which hide behind those layers' weight-gradient products), plus
-one each for the embedding and the head; all-reduces, or under sequence parallelism
-all-gathers and reduce-scatters of the same ring volume. These are predictions: no
-multi-GPU run has checked them yet.
+**Tensor parallelism** (``tp`` > 1, minitp's layers): the ranks are dp x tp, the tp ranks of
+a group within one node. Each rank holds 1/tp of every block matrix, of the token table and
+of the head (:func:`~lab2_trainer.models.shapes.rank_parameter_counts`; the position table
+and the norms whole), and the sharding kind shards that over the dp ranks. Activations:
+attention's and the feed-forward's inner tensors are 1/tp; the residual stream and the norms
+are whole per token, or 1/tp under sequence parallelism, which keeps the two gathered inputs
+of the column layers whole instead; the loss keeps 1/tp of the vocabulary. Step time: 1/tp
+of the rank's dp group's FLOPs; per block and micro-batch two collectives of ``tokens x d``
+in the autocast dtype forward (the row layers' all-reduces, exposed) and two backward (the
+column layers' input gradients, which hide behind those layers' weight-gradient products),
+plus one each for the embedding and the head; all-reduces, or under sequence parallelism
+all-gathers and reduce-scatters of the same ring volume. These are predictions: no multi-GPU
+run has checked them yet.
 
 A checkpoint (:func:`lab2_trainer.models.shapes.checkpoint_bytes`): its size, and the CPU memory
 each rank stages its part in; no rank gathers a full copy.
@@ -86,6 +86,7 @@ from lab2_trainer.models.shapes import (
     checkpoint_bytes,
     flops_per_token,
     parameter_counts,
+    rank_parameter_counts,
     training_state_parts,
 )
 
@@ -239,28 +240,6 @@ class PlanInput:
             raise ValueError(problem)
 
 
-def local_counts(config: ModelConfig, tp: int) -> dict[str, int]:
-    """:func:`~lab2_trainer.models.shapes.parameter_counts` of one tensor-parallel rank:
-    1/tp of every block matrix, of the token table and of the head; the position table and
-    the norms whole (``total``, ``block``, ``block_matmul``, ``blocks``, ``matmul``,
-    ``embeddings``, ``head``, ``norms``). ``tp`` 1 is the whole model's."""
-    counts = parameter_counts(config)
-    if tp == 1:
-        return counts
-    d = config.d_model
-    block_norms = counts["block"] - counts["block_matmul"]
-    block_matmul = counts["block_matmul"] // tp
-    block = block_matmul + block_norms
-    tables = config.vocab_size * d // tp + config.context_length * d
-    head = counts["head"] // tp
-    norms = counts["norms"]
-    total = config.n_layers * block + tables + head + norms
-    matmul = counts["matmul"] // tp  # every matrix product's weight is cut
-    return {"block": block, "block_matmul": block_matmul, "blocks": config.n_layers * block,
-            "embeddings": tables, "head": head, "norms": norms, "total": total,
-            "matmul": matmul}
-
-
 # ------------------------------------------------------------------------ activations
 def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: str = "none",
                            compiled: bool = False, tp: int = 1,
@@ -347,7 +326,7 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     """Bytes per GPU, by item (see the module docstring); ``peak`` is their sum as the
     peak counts them, ``reserved`` adds the allocator's fragmentation."""
     c, hw = p.model, p.hardware
-    counts = local_counts(c, p.tp)
+    counts = rank_parameter_counts(c, p.tp)
     n = counts["total"]
     N = p.dp  # the ranks the sharding kind shards over
     state = training_state_parts(n, p.sharding, N, p.reshard_after_forward)
@@ -431,7 +410,7 @@ def zero3_buffers(p: PlanInput) -> float:
       which the parameters item counts); one rank's shard is its full buffer;
     * with accumulation, ``no_sync``'s full gradient of every parameter (4 each).
     """
-    counts = local_counts(p.model, p.tp)
+    counts = rank_parameter_counts(p.model, p.tp)
     root = counts["embeddings"] + counts["head"] + counts["norms"]
     block = counts["block"]
     held = 4 * root + 4 * block
@@ -488,7 +467,7 @@ def step_time(p: PlanInput) -> dict[str, Any]:
     inter = p.nodes > 1
     bandwidth = (hw.ib_gbits / 8 if inter else hw.nvlink_gbs) * 1e9
     latency = (hw.latency_inter_us if inter else hw.latency_intra_us) * 1e-6
-    n = local_counts(c, tp)["total"]
+    n = rank_parameter_counts(c, tp)["total"]
     grad_bytes = 4.0 * n
     bucket = p.bucket_mb * 1024**2
     buckets = max(1, math.ceil(grad_bytes / bucket))
@@ -627,7 +606,7 @@ def plan(p: PlanInput) -> dict[str, Any]:
         "largest_micro_batch": largest_micro_batch(p),
         "time": step_time(p),
         "checkpoint_bytes": checkpoint_bytes(counts["total"], p.world_size),
-        "parameters_per_gpu": local_counts(p.model, p.tp)["total"],
+        "parameters_per_gpu": rank_parameter_counts(p.model, p.tp)["total"],
         "hardware": dataclasses.asdict(p.hardware),
         "assumptions": assumptions(p),
     }
