@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer.recipe.defaults import EMBED_SCALE
+from lab2_trainer.recipe.muon import OPTIMIZERS, default_muon_lr, muon_problem
 from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
@@ -382,13 +383,18 @@ class TrainSettings:
                                  default_text="5% of --steps, within [20, 500]")
     """Linear warm-up steps."""
     weight_decay: float = setting(0.1, group="optimisation")
-    """AdamW decoupled weight decay (matrices only; not norms)."""
+    """Decoupled weight decay of the matrices, AdamW's and Muon's (not norms nor tables)."""
     beta1: float = setting(0.9, group="optimisation")
     """AdamW's first-moment decay."""
     beta2: float = setting(0.95, group="optimisation")
     """AdamW's second-moment decay."""
     clip: float = setting(1.0, group="optimisation")
     """Gradient-norm clip (0 turns it off)."""
+    optimizer: str = setting("adamw", choices=OPTIMIZERS, group="optimisation")
+    """adamw, or muon: zero1.Muon for the blocks' matrices, AdamW for the embeddings, the head
+    and the vectors (lab2_trainer.recipe.muon)."""
+    muon_lr: float | None = setting(None, group="optimisation", default_text="0.05")
+    """Muon's peak learning rate (--optimizer muon), on --lr's warm-up and cosine."""
     precision: str = setting(AUTO, choices=(AUTO, *PRECISIONS), group="optimisation",
                              default_text="auto: bf16 on a CUDA device with bf16, else fp32")
     """Autocast precision of the forward pass; "auto" leaves it to the device."""
@@ -568,6 +574,8 @@ class TrainSettings:
             self.min_lr = recipe.default_min_lr(self.lr)
         if self.warmup is None and _is_number(self.steps):
             self.warmup = recipe.default_warmup(self.steps)
+        if self.muon_lr is None and self.optimizer == "muon" and _is_number(self.model.d_model):
+            self.muon_lr = default_muon_lr(self.model.d_model)
         return self
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -591,6 +599,8 @@ class TrainSettings:
         for name in ("beta1", "beta2"):
             _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
         _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
+        _one_of(flag("optimizer"), self.optimizer, OPTIMIZERS)
+        _number(flag("muon_lr"), self.muon_lr, lambda v: v > 0, "> 0")
         _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
         if not isinstance(self.compile, bool):
             raise ValueError(f"{flag('compile')} must be on, off or auto, got {self.compile!r}")
@@ -637,6 +647,9 @@ class TrainSettings:
         self.fill_recipe()
         self.check()
         self.check_tp(world_size)
+        problem = muon_problem(self.optimizer, self.sharding, self.tp)
+        if problem is not None:
+            raise ValueError(problem)
         dp = self.data_parallel_size(world_size)
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")

@@ -1,8 +1,9 @@
 """Whether a checkpoint fits the run about to resume from it, checked before any rank starts:
 its model tensors' names and shapes (against the model built on ``meta``), the optimizer's
-state (zero1's checks, on ``meta`` tensors), the random state, the gradient scaler and the
-sampler's position. A mismatch is one line naming the checkpoint and the first thing that does
-not fit (:class:`lab2_trainer.config.UsageError`).
+state (zero1's checks, on ``meta`` tensors: AdamW's, and with ``--optimizer muon`` Muon's
+part of it), the random state, the gradient scaler and the sampler's position. A mismatch
+is one line naming the checkpoint and the first thing that does not fit
+(:class:`lab2_trainer.config.UsageError`).
 """
 
 from __future__ import annotations
@@ -36,18 +37,17 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
             raise UsageError(f"checkpoint {path}: model tensor {name} is {got}, the model "
                              f"needs {list(expected[name].shape)}")
     _refuse_extra(saved, expected, path)
-    from zero1.checkpoint import check_state_dict, dry_run_load
+    from zero1.checkpoint import dry_run_load
 
-    opt = _adamw_like_the_run(model, settings)
+    optimizers = _optimizers_like_the_run(model, settings)
+    parts = _check_optimizer_state(ckpt["optimizer"], optimizers, path)
     try:
-        check_state_dict(ckpt["optimizer"], opt.param_groups, opt.defaults,
-                         optimizer_name="AdamW", optimizer_cls=torch.optim.AdamW,
+        for opt, part in zip(optimizers, parts):
+            dry_run_load(part, opt.param_groups, opt.defaults, type(opt),
                          who="optimizer state")
-        dry_run_load(ckpt["optimizer"], opt.param_groups, opt.defaults, torch.optim.AdamW,
-                     who="optimizer state")
     except (TypeError, ValueError) as exc:
         raise UsageError(f"checkpoint {path}: {exc}") from None
-    _check_adamw_content(ckpt["optimizer"], opt.param_groups, settings, path)
+    _check_content(parts, optimizers, settings, path)
     _check_run_state(ckpt, settings, path, len(list(model.parameters())))
 
 
@@ -61,20 +61,29 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
     Raises:
         UsageError: one line naming the checkpoint and the first thing that does not fit.
     """
-    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lab2_trainer.checkpoint.parts import MOMENTS, model_key, parameter_names, state_key
+    from lab2_trainer.checkpoint.parts import (
+        MOMENTS,
+        MUON_STATE,
+        model_key,
+        parameter_names,
+        state_key,
+    )
 
     model = shape_model(settings.model)
     names = parameter_names(model)
+    optimizers = _optimizers_like_the_run(model, settings)
+    muon = {id(p) for opt in optimizers[1:] for g in opt.param_groups for p in g["params"]}
     sizes = {}
     for p in model.parameters():
         name = names[id(p)]
         sizes[model_key(name)] = p.numel()
-        if state_key(name, "exp_avg") in tensors:
-            sizes.update({state_key(name, m): p.numel() for m in MOMENTS})
-            sizes[state_key(name, "step")] = 1
+        kept = MUON_STATE if id(p) in muon else MOMENTS
+        if state_key(name, kept[0]) in tensors:
+            sizes.update({state_key(name, m): p.numel() for m in kept})
+            if kept == MOMENTS:
+                sizes[state_key(name, "step")] = 1
     for key, numel in sizes.items():
         md = tensors.get(key)
         if not isinstance(md, TensorStorageMetadata):
@@ -84,16 +93,9 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
                              f"{list(md.size)} elements; the model needs a floating tensor of "
                              f"{numel}")
     _refuse_extra(tensors, sizes, path)
-    from zero1.checkpoint import check_state_dict
-
-    opt = _adamw_like_the_run(model, settings)
     groups = {"state": {}, "param_groups": small["optimizer_groups"]}
-    try:
-        check_state_dict(groups, opt.param_groups, opt.defaults, optimizer_name="AdamW",
-                         optimizer_cls=torch.optim.AdamW, who="optimizer state")
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"checkpoint {path}: {exc}") from None
-    _check_adamw_content(groups, opt.param_groups, settings, path)
+    parts = _check_optimizer_state(groups, optimizers, path)
+    _check_content(parts, optimizers, settings, path)
     _check_run_state(small, settings, path, len(list(model.parameters())))
 
 
@@ -104,14 +106,51 @@ def _refuse_extra(saved: Any, expected: Any, path: Any) -> None:
         raise UsageError(f"checkpoint {path}: the model has no tensor {extra[0]}")
 
 
-def _adamw_like_the_run(model: Any, settings: Any) -> Any:
-    """The run's AdamW over ``model`` (its groups and hyperparameters), for the checks."""
+def _optimizers_like_the_run(model: Any, settings: Any) -> list[Any]:
+    """The run's optimizers over ``model`` (their groups and hyperparameters), for the
+    checks, in the state dict's order: AdamW, and with ``--optimizer muon`` zero1's Muon."""
     import torch
 
-    from lab2_trainer.parallel.parallelize import param_groups
+    from lab2_trainer.parallel.optimizers import MuonSettings, muon_param_groups, param_groups
 
-    return torch.optim.AdamW(param_groups(model, settings.weight_decay), lr=settings.lr,
-                             betas=(settings.beta1, settings.beta2), eps=1e-8)
+    adamw = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=1e-8)
+    if getattr(settings, "optimizer", "adamw") != "muon":
+        return [torch.optim.AdamW(param_groups(model, settings.weight_decay), **adamw)]
+    from zero1 import Muon
+
+    adamw_groups, muon_groups = muon_param_groups(model, settings.weight_decay)
+    return [torch.optim.AdamW(adamw_groups, **adamw),
+            Muon(muon_groups, **MuonSettings(settings.muon_lr).kwargs())]
+
+
+def _check_optimizer_state(state_dict: Any, optimizers: list[Any], path: Any) -> list[Any]:
+    """zero1's structural checks of a state dict (its groups, ids, state tensors' shapes)
+    against the run's optimizers, each against its own part of it (Muon's groups follow
+    AdamW's); returns the parts.
+
+    Raises:
+        UsageError: one line naming the checkpoint and the first thing that does not fit.
+    """
+    from lab2_trainer.parallel.optimizers import split_state_dict
+    from zero1.checkpoint import check_state_dict
+
+    try:
+        parts = ([state_dict] if len(optimizers) == 1 else
+                 list(split_state_dict(state_dict, len(optimizers[0].param_groups))))
+        for opt, part in zip(optimizers, parts):
+            check_state_dict(part, opt.param_groups, opt.defaults,
+                             optimizer_name=type(opt).__name__, optimizer_cls=type(opt),
+                             who="optimizer state")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"checkpoint {path}: {exc}") from None
+    return parts
+
+
+def _check_content(parts: list[Any], optimizers: list[Any], settings: Any, path: Any) -> None:
+    """AdamW's part (:func:`_check_adamw_content`), then Muon's (:func:`_check_muon_content`)."""
+    _check_adamw_content(parts[0], optimizers[0].param_groups, settings, path)
+    if len(parts) > 1:
+        _check_muon_content(parts[1], optimizers[1].param_groups, settings, path)
 
 
 def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
@@ -205,6 +244,42 @@ def _check_adamw_content(state_dict: dict[str, Any], groups: list[dict[str, Any]
             if not _is_real(step) or step < 0:
                 raise UsageError(f"{where}: step must be one finite number >= 0, got "
                                  f"{entry['step']!r}")
+
+
+def _check_muon_content(state_dict: dict[str, Any], groups: list[dict[str, Any]],
+                        settings: Any, path: Any) -> None:
+    """Muon's part of the state: each group's momentum in [0, 1), a finite ``lr`` and the
+    run's ``weight_decay``; each parameter's state exactly a floating ``momentum_buffer``
+    of its shape, or nothing (not stepped yet).
+
+    Raises:
+        UsageError: one line naming the group or parameter and what is wrong.
+    """
+    import torch
+
+    for i, saved in enumerate(state_dict["param_groups"]):
+        where = f"checkpoint {path}: Muon's param group {i}"
+        momentum, lr = saved.get("momentum"), saved.get("lr")
+        if not (_is_real(momentum) and 0 <= momentum < 1):
+            raise UsageError(f"{where}: momentum must be a number in [0, 1), got "
+                             f"{momentum!r}")
+        if not (_is_real(lr) and lr >= 0):
+            raise UsageError(f"{where}: lr must be a finite number >= 0, got {lr!r}")
+        if saved.get("weight_decay") != settings.weight_decay:
+            raise UsageError(f"{where}: weight_decay {saved.get('weight_decay')!r} differs "
+                             f"from the run's {settings.weight_decay!r}")
+    state = state_dict["state"]
+    for i, (ours, saved) in enumerate(zip(groups, state_dict["param_groups"])):
+        for j, (param, saved_id) in enumerate(zip(ours["params"], saved["params"])):
+            entry = state.get(saved_id)
+            if not entry:
+                continue
+            where = f"checkpoint {path}: Muon's state of parameter {j} in its group {i}"
+            t = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+            if set(entry) != {"momentum_buffer"} or not isinstance(t, torch.Tensor) \
+                    or not t.is_floating_point() or t.shape != param.shape:
+                raise UsageError(f"{where} must be a floating momentum_buffer of the "
+                                 f"parameter's shape {list(param.shape)} alone")
 
 
 def _check_gradient_order(order: Any, count: int, path: Any) -> None:

@@ -1,8 +1,9 @@
 """``lab2-train export``: a step folder (:mod:`lab2_trainer.checkpoint.folders`) turned into one
 single-file checkpoint (:mod:`lab2_trainer.checkpoint.single_file`): a plain ``torch.load``
-holding the model's state dict and AdamW's own state dict, which ``--resume`` also takes and
-any tp-1 model loads. The step folder is verified against its manifest first, and nothing is
-gathered across processes: one process reads every rank's parts.
+holding the model's state dict and AdamW's own state dict (with ``--optimizer muon``, AdamW's
+groups then Muon's in one state dict, as the run's optimizer saves it), which ``--resume``
+also takes and any tp-1 model loads. The step folder is verified against its manifest
+first, and nothing is gathered across processes: one process reads every rank's parts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
             source is not a complete, intact checkpoint with finite values (the checks of
             ``--resume``).
     """
-    from lab2_trainer.checkpoint.parts import MOMENTS, model_key, parameter_names, state_key
+    from lab2_trainer.checkpoint.parts import (
+        MOMENTS,
+        MUON_STATE,
+        model_key,
+        parameter_names,
+        state_key,
+    )
     from lab2_trainer.checkpoint.single_file import FORMAT as FILE_FORMAT
     from lab2_trainer.checkpoint.single_file import VERSION as FILE_VERSION
     from lab2_trainer.checkpoint.single_file import save_atomic
@@ -58,7 +65,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     meta = saved_tensors(folder)
     keys = [model_key(n) for n in names.values()]
     keys += [k for n in names.values() for k in
-             [state_key(n, m) for m in (*MOMENTS, "step")] if k in meta]
+             [state_key(n, m) for m in (*MOMENTS, "step", *MUON_STATE)] if k in meta]
     flat = full_tensors(folder, keys)
     bad = non_finite(flat)  # what --resume refuses is not exported either
     if bad:
@@ -74,6 +81,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         if state_key(name, "exp_avg") in flat:
             state[number] = {**{m: flat[state_key(name, m)].view(p.shape) for m in MOMENTS},
                              "step": flat[state_key(name, "step")].reshape(())}
+        elif state_key(name, MUON_STATE[0]) in flat:  # Muon's matrices
+            state[number] = {m: flat[state_key(name, m)].view(p.shape) for m in MUON_STATE}
     body = {k: v for k, v in small.items() if k not in ("format", "version", "checksums",
                                                        "optimizer_groups", "sharded")}
     save_atomic({"format": FILE_FORMAT, "version": FILE_VERSION, **body,
@@ -84,11 +93,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 
 def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torch.Tensor]:
-    """The parameters in the trainer's AdamW order (``parallel.param_groups``)."""
-    from lab2_trainer.parallel.parallelize import param_groups
+    """The parameters in the run's optimizer's order (``parallel.optimizers``: AdamW's
+    groups, and with Muon its groups after them)."""
+    from lab2_trainer.parallel.optimizers import optimizer_order
 
-    decay = small["settings"].get("weight_decay", 0.0)
-    return [p for g in param_groups(model, decay) for p in g["params"]]
+    settings = small["settings"]
+    return optimizer_order(model, settings.get("weight_decay", 0.0),
+                           settings.get("optimizer", "adamw"))
 
 
 def check_export_output(out: str | os.PathLike, folder: Path) -> Path:

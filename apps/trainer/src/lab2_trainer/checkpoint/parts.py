@@ -7,7 +7,9 @@ model, ``blocks.0.attn.qkv.weight``), the flattened 1-D view of the whole tensor
 * ``model.<name>``: the parameter;
 * ``optim.<name>.exp_avg``, ``optim.<name>.exp_avg_sq``: AdamW's moments, of the
   parameter's size;
-* ``optim.<name>.step``: AdamW's step count (one element).
+* ``optim.<name>.step``: AdamW's step count (one element);
+* ``optim.<name>.momentum_buffer``: Muon's momentum (``--optimizer muon``: the blocks'
+  matrices, each whole on its owner rank under zero1's kinds), of the parameter's size.
 
 Every sharding kind holds each of these as contiguous ranges of that flat view, so every
 rank describes what it holds as :class:`Part`\\ s, ``(key, start, local 1-D tensor)``:
@@ -67,6 +69,13 @@ from lab2_trainer.runtime.paths import open_regular
 
 #: AdamW's per-parameter tensors of the parameter's size.
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: Muon's (zero1.Muon, torch.optim.Muon): one momentum buffer, and no step count.
+MUON_STATE = ("momentum_buffer",)
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-parameter state tensors ``optimizer`` keeps: Muon's or AdamW's."""
+    return MUON_STATE if type(optimizer).__name__ == "Muon" else MOMENTS
 
 
 def model_key(name: str) -> str:
@@ -127,6 +136,11 @@ class StateHolder:
     optimizer: torch.optim.Optimizer
     replicated: bool = False
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The state's tensors of the parameter's size (AdamW's come with a ``step``)."""
+        return state_tensors(self.optimizer)
+
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """A state tensor's local data, 1-D."""
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -164,14 +178,16 @@ def _rank_and_size() -> tuple[int, int]:
 
 def model_parts(model: torch.nn.Module, sharding: str,
                 optimizer: torch.optim.Optimizer | None = None) -> list[Part]:
-    """This rank's parts of the model's parameters (``optimizer``: with "zero3", whose
-    pieces hold the parameters' shards)."""
+    """This rank's parts of the model's parameters (with "zero3", each parameter's piece
+    of its unit's shard, whichever optimizer steps it; ``optimizer`` is not needed)."""
     rank, world = _rank_and_size()
-    if sharding == "zero3":
+    if sharding == "zero3":  # each parameter's piece of its unit's shard
+        from zero1.stage3_optimizer import piece_of
+
         names = parameter_names(model)
+        pieces = [piece_of(p) for p in model.parameters()]
         return [Part(model_key(names[id(piece.param)]), piece.param.numel(), piece.start,
-                     piece.local.detach())
-                for _, piece in optimizer.numbered_pieces()]
+                     piece.local.detach()) for piece in pieces if piece is not None]
     parts = []
     for name, p in model.named_parameters():
         if sharding == "fsdp":
@@ -189,7 +205,10 @@ def model_parts(model: torch.nn.Module, sharding: str,
 
 def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   sharding: str) -> list[StateHolder]:
-    """Where this rank keeps AdamW state, whatever the kind."""
+    """Where this rank keeps optimizer state, whatever the kind (with Muon, both
+    optimizers')."""
+    if hasattr(optimizer, "optimizers"):  # Muon with AdamW: each keeps its own
+        return [h for opt in optimizer.optimizers for h in state_holders(model, opt, sharding)]
     names = parameter_names(model)
     rank, world = _rank_and_size()
     if sharding in ("zero1", "zero2", "zero1-allreduce", "zero3"):
@@ -219,11 +238,11 @@ def state_parts(holders: list[StateHolder]) -> list[Part]:
         state = h.optimizer.state.get(h.tensor)
         if not state:
             continue
-        for what in MOMENTS:
+        for what in h.tensors:
             parts.append(Part(state_key(h.name, what), h.numel, h.start, h.flat(state[what]),
                               replicated=h.replicated))
         writes_step = rank == 0 if h.replicated else (h.start == 0 and h.local_numel > 0)
-        if writes_step:
+        if writes_step and "step" in state:
             step = state["step"]
             step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
             parts.append(Part(state_key(h.name, "step"), 1, 0, step.detach().reshape(1)))
@@ -409,15 +428,16 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding
     holders = state_holders(model, optimizer, sharding)
     fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
     for h in holders:
-        if state_key(h.name, "exp_avg") not in saved_keys:
+        if state_key(h.name, h.tensors[0]) not in saved_keys:
             continue
         state = {what: torch.zeros_like(h.tensor, memory_format=torch.contiguous_format)
-                 for what in MOMENTS}
-        state["step"] = torch.zeros(1, dtype=torch.float32)
+                 for what in h.tensors}
         fresh.append((h, state))
-        for what in MOMENTS:
+        for what in h.tensors:
             parts.append(Part(state_key(h.name, what), h.numel, h.start, h.flat(state[what])))
-        parts.append(Part(state_key(h.name, "step"), 1, 0, state["step"]))
+        if h.tensors == MOMENTS:
+            state["step"] = torch.zeros(1, dtype=torch.float32)
+            parts.append(Part(state_key(h.name, "step"), 1, 0, state["step"]))
     with torch.no_grad():
         read_parts(parts, reader)
     install_state(fresh, optimizer)
@@ -433,10 +453,13 @@ def install_state(fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]],
         opt = h.optimizer
         numbers = {id(p): i for i, p in enumerate(
             p for g in opt.param_groups for p in g["params"])}
-        entry = {**{what: state[what] for what in MOMENTS}, "step": state["step"].reshape(())}
+        entry = {what: state[what] for what in h.tensors}
+        if "step" in state:
+            entry["step"] = state["step"].reshape(())
         by_optimizer.setdefault(id(opt), (opt, {}))[1][numbers[id(h.tensor)]] = entry
     for opt, state in by_optimizer.values():
         groups = opt.state_dict()["param_groups"]
         opt.load_state_dict({"state": state, "param_groups": groups})
-    if hasattr(optimizer, "local_optimizer"):  # zero1's ShardedOptimizer aliases its state
-        optimizer.state = optimizer.local_optimizer.state
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):  # with Muon, two
+        if hasattr(opt, "local_optimizer"):  # zero1's ShardedOptimizer aliases its state
+            opt.state = opt.local_optimizer.state

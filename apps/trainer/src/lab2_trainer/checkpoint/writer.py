@@ -49,7 +49,6 @@ from lab2_trainer.checkpoint.folders import (
     write_manifest,
 )
 from lab2_trainer.checkpoint.parts import (
-    MOMENTS,
     Part,
     model_parts,
     state_holders,
@@ -159,12 +158,13 @@ class Checkpointer:
         return stall
 
     def _expected(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        """(key, shape, dtype) of what :meth:`save` will copy on this rank, AdamW's state
-        included before it exists (its moments take their parameter's range and dtype)."""
+        """(key, shape, dtype) of what :meth:`save` will copy on this rank, the optimizer's
+        state included before it exists (its tensors take their parameter's range and
+        dtype)."""
         expected = model_parts(self.model, self.sharding, self.optimizer)
         for h in state_holders(self.model, self.optimizer, self.sharding):
             local = h.flat(h.tensor)
-            for what in MOMENTS:
+            for what in h.tensors:
                 expected.append(Part(state_key(h.name, what), h.numel, h.start,
                                      torch.empty(local.shape, dtype=local.dtype,
                                                  device="meta"), replicated=h.replicated))

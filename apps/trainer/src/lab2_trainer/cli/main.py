@@ -293,9 +293,10 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     return settings, corpus
 
 
-#: What a resumed run may not change: AdamW's state carries these (a flag would be
-#: overridden by the checkpoint's optimizer state while settings.toml said otherwise).
-FIXED_ON_RESUME = ("beta1", "beta2", "weight_decay")
+#: What a resumed run may not change: the optimizer's state carries these (a flag would be
+#: overridden by the checkpoint's optimizer state while settings.toml said otherwise), and
+#: its kind (AdamW's moments or Muon's momentum).
+FIXED_ON_RESUME = ("beta1", "beta2", "weight_decay", "optimizer")
 #: How the ranks are laid out: kept together from the checkpoint, or (any of them given, or
 #: another device type or torchrun's world) resolved afresh for the new layout.
 LAYOUT_FIELDS = ("nproc", "ddp", "sharding")

@@ -26,6 +26,12 @@ torch)                                              ZeroRedundancyOptimizer (tor
 (fsdp)
 ==================  ==============================  ==============================
 
+With ``muon`` (``--optimizer muon``) each family makes ``zero1.Muon`` over the blocks'
+matrices the same way beside its AdamW over the rest, stepped as one
+(:mod:`lab2_trainer.parallel.optimizers`); FSDP2's row shards and tensor parallelism cut
+the matrices Muon needs whole, and are refused
+(:func:`lab2_trainer.recipe.muon.muon_problem`).
+
 **On a mesh** (``--tp`` > 1): the ranks are ``dp x tp``
 (:class:`lab2_trainer.parallel.mesh.Mesh`), the model is first cut over its
 tensor-parallel group (:func:`lab2_trainer.parallel.tensor.shard_transformer`), and the
@@ -47,22 +53,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lab2_trainer.parallel.mesh import Mesh
+
+# param_groups: its callers import it from here, where it lived before optimizers.py.
+from lab2_trainer.parallel.optimizers import (  # noqa: F401
+    MuonSettings,
+    build,
+    param_groups,
+    plain,
+)
 from lab2_trainer.parallel.tensor import TensorParallel, shard_transformer
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: the matrices decay; vectors (norm weights, biases) and the embedding
-    tables do not (the tables set the residual stream's scale: lab2_trainer.recipe.defaults)."""
-    from minitp import VocabParallelEmbedding  # a table too, cut over tensor-parallel ranks
-
-    tables = {id(m.weight) for m in model.modules()
-              if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
-    decay, no_decay = [], []
-    for p in model.parameters():  # tied weights come once
-        if p.requires_grad:
-            (decay if p.dim() >= 2 and id(p) not in tables else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+from lab2_trainer.recipe.muon import muon_problem
 
 
 def fused_adamw_available(device: torch.device) -> bool:
@@ -86,6 +86,7 @@ class Options:
         reshard_after_forward: zero3's and FSDP2's.
         group: the process group the family averages over (None: the default group;
             on a mesh, the data-parallel one).
+        muon: Muon's settings for the blocks' matrices (None: AdamW alone).
     """
 
     ddp: str
@@ -99,6 +100,7 @@ class Options:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     group: dist.ProcessGroup | None = None
+    muon: MuonSettings | None = None
 
     def adamw(self) -> dict[str, Any]:
         """AdamW's keyword arguments (the parameter groups apart)."""
@@ -107,9 +109,11 @@ class Options:
             kwargs["fused"] = True
         return kwargs
 
-    def plain_adamw(self, model: nn.Module) -> torch.optim.Optimizer:
-        """AdamW over ``model``'s parameter groups (:func:`param_groups`)."""
-        return torch.optim.AdamW(param_groups(model, self.weight_decay), **self.adamw())
+    def optimizer(self, model: nn.Module, make: Any = plain) -> Any:
+        """The run's optimizer over ``model``, each optimizer in it made by ``make`` (the
+        family's): AdamW, or Muon with AdamW (:func:`lab2_trainer.parallel.optimizers.build`)."""
+        return build(model, make, weight_decay=self.weight_decay, adamw=self.adamw(),
+                     muon=self.muon)
 
 
 class Parallel:
@@ -287,20 +291,19 @@ class DDP(Parallel):
             from minddp import broadcast_module
 
             broadcast_module(model, process_group=options.group)  # as the wrappers do
-        groups = param_groups(model, options.weight_decay)
         if sharding == "none":
-            optimizer = options.plain_adamw(model)
+            optimizer = options.optimizer(model)
         elif sharding == "zero1-allreduce":
             from zero1 import ShardedOptimizer
 
-            optimizer = ShardedOptimizer(groups, torch.optim.AdamW, reduce_gradients=False,
-                                         process_group=options.group, **options.adamw())
+            optimizer = options.optimizer(model, lambda groups, cls, **kw: ShardedOptimizer(
+                groups, cls, reduce_gradients=False, process_group=options.group, **kw))
         else:  # "torch"
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
-                                                process_group=options.group,
-                                                **options.adamw())
+            optimizer = options.optimizer(model, lambda groups, cls, **kw: (
+                ZeroRedundancyOptimizer(groups, optimizer_class=cls,
+                                        process_group=options.group, **kw)))
         return cls(model, optimizer, wrapper or compiled, eval_module=compiled,
                    sharding=sharding, ddp=options.ddp, wrapper=wrapper, group=options.group)
 
@@ -380,10 +383,10 @@ class Zero(_OptimizerReduces):
         from zero1 import ShardedOptimizer
 
         _agree_and_broadcast(model, options.group)
-        optimizer = ShardedOptimizer(
-            param_groups(model, options.weight_decay), torch.optim.AdamW,
-            stage=cls.STAGES[sharding], reduce_gradients=True, bucket_size_mb=options.bucket_mb,
-            bucket_rule=options.bucket_rule, process_group=options.group, **options.adamw())
+        optimizer = options.optimizer(model, lambda groups, opt_cls, **kw: ShardedOptimizer(
+            groups, opt_cls, stage=cls.STAGES[sharding], reduce_gradients=True,
+            bucket_size_mb=options.bucket_mb, bucket_rule=options.bucket_rule,
+            process_group=options.group, **kw))
         return cls(model, optimizer, compiled, sharding=sharding, group=options.group)
 
     @property
@@ -411,8 +414,7 @@ class Zero3(_OptimizerReduces):
         shard_model(model, units=list(getattr(model, "blocks", ())),
                     reshard_after_forward=options.reshard_after_forward,
                     process_group=options.group)
-        optimizer = Stage3Optimizer(param_groups(model, options.weight_decay),
-                                    torch.optim.AdamW, **options.adamw())
+        optimizer = options.optimizer(model, Stage3Optimizer)
         return cls(model, optimizer, compiled, sharding=sharding, group=options.group)
 
     def full_model_state(self, rank: int) -> dict[str, torch.Tensor] | None:
@@ -434,7 +436,7 @@ class FSDP(Parallel):
               options: Options) -> Parallel:
         _agree_and_broadcast(model, options.group)
         _fully_shard(model, options.device, options.reshard_after_forward, options.group)
-        return cls(model, options.plain_adamw(model), compiled, sharding=sharding,
+        return cls(model, options.optimizer(model), compiled, sharding=sharding,
                    group=options.group)
 
     def held_gradients(self) -> list[tuple[str, int, torch.Tensor]]:
@@ -542,7 +544,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
                 bucket_mb: float = 25.0, bucket_rule: str = "reach",
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True, mesh: Mesh | None = None,
-                sequence_parallel: bool = False) -> Parallel:
+                sequence_parallel: bool = False, muon: MuonSettings | None = None) -> Parallel:
     """Set ``model`` up for training: the one place that applies parallelism, in a fixed
     order.
 
@@ -575,6 +577,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
             every rank data-parallel.
         sequence_parallel: with tensor parallelism, cut the residual stream along the
             sequence too.
+        muon: step the blocks' matrices with Muon, the rest with AdamW
+            (:mod:`lab2_trainer.parallel.optimizers`); None: AdamW alone.
     """
     from lab2_trainer.config import SELF_REDUCING
 
@@ -583,6 +587,10 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     if sharding in SELF_REDUCING and ddp != "none":
         raise ValueError(f"sharding {sharding!r} averages gradients itself: ddp must be "
                          f"'none', not {ddp!r}")
+    problem = muon_problem("muon" if muon else "adamw", sharding,
+                           mesh.size("tp") if mesh is not None else 1)
+    if problem is not None:
+        raise ValueError(problem)
     layout = None
     if mesh is not None and mesh.size("tp") > 1:
         if compile is not None:
@@ -595,7 +603,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     options = Options(ddp=ddp, device=device, lr=lr, betas=betas, weight_decay=weight_decay,
                       fused=fused, bucket_mb=bucket_mb, bucket_rule=bucket_rule,
                       reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-                      group=mesh.group("dp") if mesh is not None else None)
+                      group=mesh.group("dp") if mesh is not None else None, muon=muon)
     parallel = FAMILIES[sharding].apply(model, compiled, sharding, options)
     return parallel if layout is None else TensorParallel(parallel, mesh, layout)
 
@@ -638,7 +646,7 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float],
                     weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
     """The trainer's unsharded AdamW over ``model`` (:func:`param_groups`), as the "none"
     and "fsdp" kinds build it."""
-    return Options("none", torch.device("cpu"), lr, betas, weight_decay, fused).plain_adamw(model)
+    return Options("none", torch.device("cpu"), lr, betas, weight_decay, fused).optimizer(model)
 
 
 def fully_shard_fn() -> Any:

@@ -39,6 +39,7 @@ from lab2_trainer.models.activation_checkpointing import selective_kind
 from lab2_trainer.models.shapes import training_flops_per_token
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.mesh import Mesh
+from lab2_trainer.parallel.optimizers import MuonSettings, muon_ns_dtype
 from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.recipe.schedule import WarmupCosine
 from lab2_trainer.reporting.profiling import StepProfiler
@@ -180,7 +181,9 @@ class Trainer:
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward, mesh=self.mesh,
-            sequence_parallel=s.sequence_parallel)
+            sequence_parallel=s.sequence_parallel,
+            muon=(MuonSettings(s.muon_lr, ns_dtype=muon_ns_dtype(ctx.device))
+                  if s.optimizer == "muon" else None))
         self.clock.mark("parallelize")
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
@@ -472,6 +475,8 @@ class Trainer:
                "flat": "minddp.all_reduce_gradients(flat)", "naive": "minddp.all_reduce_gradients",
                "torch": "torch DistributedDataParallel", "none": "no DDP"}[s.ddp]
         adamw = "AdamW(fused)" if fused_adamw_available(ctx.device) else "AdamW"
+        if s.optimizer == "muon":  # the blocks' matrices; AdamW steps the rest
+            adamw = f"zero1.Muon + {adamw}"
         buckets = f"{s.bucket_mb:g} MB buckets"
         opt = {"none": adamw,
                "zero1": f"zero1.ShardedOptimizer(stage 1, reduce-scatter, {buckets}, {adamw})",
@@ -519,7 +524,9 @@ class Trainer:
             f"unigram entropy {entropy:.4f} nats\n"
             f"batch: {s.batch_size} x {m.context_length} tokens per step "
             f"({s.batch_size // self.data_rank[1] // s.grad_accum} per rank per micro-step, "
-            f"grad_accum {s.grad_accum}), {s.steps} steps, lr {s.lr:g} -> {s.min_lr:g}\n"
+            f"grad_accum {s.grad_accum}), {s.steps} steps, lr {s.lr:g} -> {s.min_lr:g}"
+            + (f", Muon lr {s.muon_lr:g} -> {s.muon_lr * s.min_lr / s.lr:g}"
+               if s.optimizer == "muon" else "") + "\n"
             f"setup: {self.setup_line()}\n"
             f"MFU: {self.flops_per_token / 1e6:,.1f} MFLOP per token against {peak}"
             + (f" (HFU: {self.hardware_flops_per_token / 1e6:,.1f} with the recompute)"

@@ -95,7 +95,11 @@ def autocast_context(precision: str, device: torch.device):
 
 
 def set_lr(optimizer, lr: float) -> None:
-    """Write ``lr`` into every param group (sharded optimizers pass it on at ``step``)."""
+    """Write ``lr`` into every param group (sharded optimizers pass it on at ``step``); an
+    optimizer with a rate per part (Muon with AdamW) sets its own from it."""
+    if hasattr(optimizer, "set_lr"):
+        optimizer.set_lr(lr)
+        return
     for group in optimizer.param_groups:
         group["lr"] = lr
 
