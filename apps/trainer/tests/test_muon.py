@@ -250,3 +250,36 @@ def test_a_muon_state_that_does_not_fit_is_refused_in_one_line(runs, tmp_path, d
     with pytest.raises(UsageError, match="checkpoint ckpt") as info:
         check_checkpoint_fits(ckpt, settings, "ckpt")
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_planner_counts_one_momentum_buffer_for_muons_matrices():
+    """The planner's optimizer bytes with Muon against the state a real step leaves (one
+    process), and sharded as the kinds shard it; fsdp and tensor parallelism refused."""
+    from lab2_trainer.models.shapes import muon_parameter_count, training_state_parts
+    from lab2_trainer.planner.plan import PlanInput, memory_items
+
+    config = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, context_length=8)
+    model = TransformerLM(config, seed=0)
+    parallel = parallelize(model, sharding="none", ddp="none", device=torch.device("cpu"),
+                           lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                           muon=MuonSettings(0.02))
+    train_step(parallel, [(torch.zeros(2, 8, dtype=torch.long),) * 2], precision="fp32",
+               device=torch.device("cpu"), clip=1.0)
+    held = sum(t.numel() * t.element_size() for entry in parallel.optimizer.state.values()
+               for key, t in entry.items() if key != "step")  # AdamW's scalar steps aside
+    n = sum(p.numel() for p in model.parameters())
+    assert held == training_state_parts(n, "none", 1, muon=muon_parameter_count(config))[
+        "optimizer"]
+    assert muon_parameter_count(config) == sum(
+        p.numel() for g in parallel.optimizer.muon.param_groups for p in g["params"])
+    small = model_config("small")
+    for sharding, gpus in (("none", 1), ("zero1", 8), ("zero2", 8), ("zero3", 8)):
+        plans = [memory_items(PlanInput(model=small, batch_size=8 * gpus, gpus_per_node=gpus,
+                                        sharding=sharding, optimizer=kind).validate())
+                 for kind in ("adamw", "muon")]
+        saved = plans[0]["optimizer"] - plans[1]["optimizer"]
+        assert saved == pytest.approx(4 * muon_parameter_count(small) / gpus, abs=4), sharding
+    for sharding, tp in (("fsdp", 1), ("zero1", 2)):
+        with pytest.raises(ValueError, match="--optimizer muon cannot run"):
+            PlanInput(model=small, batch_size=16, gpus_per_node=8, sharding=sharding, tp=tp,
+                      optimizer="muon").validate()

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import UsageError
-from lab2_trainer.models.shapes import rank_parameter_counts, training_state_bytes
+from lab2_trainer.models.shapes import (
+    muon_parameter_count,
+    rank_parameter_counts,
+    training_state_bytes,
+)
 
 GIB = 1024**3
 
@@ -137,8 +141,11 @@ def check_memory(settings: Any, world_size: int, device_type: str, *,
     n = rank_parameter_counts(settings.model, tp)["total"]
     micro = max(1, settings.batch_size // dp // max(1, settings.grad_accum))
     logits = 2 * 4 * micro * settings.model.context_length * settings.model.vocab_size // tp
+    muon = (muon_parameter_count(settings.model)
+            if getattr(settings, "optimizer", "adamw") == "muon" else 0)
     per_rank = training_state_bytes(n, settings.sharding, dp,
-                                    getattr(settings, "reshard_after_forward", True)) + logits
+                                    getattr(settings, "reshard_after_forward", True),
+                                    muon) + logits
     what = (f"{n:,} parameters{' per tensor-parallel rank' if tp > 1 else ''}: weights, "
             f"gradients and AdamW state in fp32 (sharded as --sharding {settings.sharding} "
             "shards them), and the logits of a micro-batch")

@@ -41,7 +41,8 @@ SCALING_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 GPUS_PER_NODE = 8
 #: The settings of ``lab2-train`` that change a plan: their flags, defaults and docs.
 RUN_SETTINGS = ("grad_accum", "precision", "sharding", "ddp", "activation_checkpointing",
-                "compile", "reshard_after_forward", "bucket_mb", "tp", "sequence_parallel")
+                "compile", "reshard_after_forward", "bucket_mb", "tp", "sequence_parallel",
+                "optimizer")
 
 
 class _Parser(argparse.ArgumentParser):

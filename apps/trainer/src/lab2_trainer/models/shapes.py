@@ -43,6 +43,12 @@ def parameter_counts(config: Any) -> dict[str, int]:
             "matmul": matmul}
 
 
+def muon_parameter_count(config: Any) -> int:
+    """Elements of the matrices ``--optimizer muon`` steps with Muon: every block's matrix
+    products' weights (lab2_trainer.recipe.muon)."""
+    return config.n_layers * block_matmul_parameters(config)
+
+
 def rank_parameter_counts(config: Any, tp: int) -> dict[str, int]:
     """:func:`parameter_counts` of one of ``tp`` tensor-parallel ranks: 1/tp of every block
     matrix, of the token table and of the head; the position table and the norms whole.
@@ -91,14 +97,15 @@ def flops_per_token(config: Any, checkpointing: str) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------- training state
 def training_state_parts(n: int, sharding: str, world_size: int,
-                         reshard_after_forward: bool = True) -> dict[str, int]:
+                         reshard_after_forward: bool = True, muon: int = 0) -> dict[str, int]:
     """:func:`training_state_bytes` item by item: ``parameters``, ``gradients`` and
     ``optimizer`` bytes per rank (the gathered weights of zero3 and fsdp without resharding count
-    among the parameters)."""
+    among the parameters). ``muon`` of the ``n`` elements are Muon's, whose state is one
+    fp32 momentum buffer (4 bytes) where AdamW keeps two moments (8)."""
     shards = max(1, world_size)
-    params, grads, state = 4 * n, 4 * n, 8 * n // shards
+    params, grads, state = 4 * n, 4 * n, (8 * n - 4 * muon) // shards
     if sharding == "none":
-        state = 8 * n
+        state = 8 * n - 4 * muon
     elif sharding == "zero2":
         grads = 4 * n // shards
     elif sharding in ("zero3", "fsdp"):
@@ -108,7 +115,7 @@ def training_state_parts(n: int, sharding: str, world_size: int,
 
 
 def training_state_bytes(n: int, sharding: str, world_size: int,
-                         reshard_after_forward: bool = True) -> int:
+                         reshard_after_forward: bool = True, muon: int = 0) -> int:
     """Bytes per rank of fp32 weights (4), gradients (4) and AdamW's two moments (8) of
     ``n`` parameters, by sharding kind (a lower bound: no bucket or gathered block):
 
@@ -116,9 +123,11 @@ def training_state_bytes(n: int, sharding: str, world_size: int,
     * zero1, zero1-allreduce, torch (state sharded): 4 + 4 + 8/N;
     * zero2 (gradients sharded too): 4 + (4 + 8)/N;
     * zero3, fsdp (parameters too): (4 + 4 + 8)/N, and with reshard_after_forward off the
-      whole gathered weights (4) through the backward besides.
+      whole gathered weights (4) through the backward besides;
+    * with ``muon`` elements stepped by Muon, 4 bytes fewer each (one momentum buffer).
     """
-    return sum(training_state_parts(n, sharding, world_size, reshard_after_forward).values())
+    return sum(training_state_parts(n, sharding, world_size, reshard_after_forward,
+                                    muon).values())
 
 
 def checkpoint_bytes(n: int, world_size: int) -> dict[str, int]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from lab2_trainer.config import ACTIVATION_CHECKPOINTING, tp_shape_problem
 from lab2_trainer.planner.plan import PlanInput, plan
+from lab2_trainer.recipe.muon import muon_problem
 
 #: The sharding kinds a recommendation weighs (see the module docstring).
 KINDS = ("none", "zero1", "zero2", "zero3", "fsdp")
@@ -60,6 +61,8 @@ def candidates(p: PlanInput) -> list[dict[str, Any]]:
             if sp and p.model.context_length % tp:
                 continue
             for kind in KINDS:
+                if muon_problem(p.optimizer, kind, tp) is not None:
+                    continue  # Muon's matrices must stay whole
                 for ac in ACTIVATION_CHECKPOINTING:
                     q = dataclasses.replace(p, tp=tp, sequence_parallel=sp, sharding=kind,
                                             ddp=None, activation_checkpointing=ac)

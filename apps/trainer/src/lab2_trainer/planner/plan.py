@@ -85,10 +85,12 @@ from lab2_trainer.config import (
 from lab2_trainer.models.shapes import (
     checkpoint_bytes,
     flops_per_token,
+    muon_parameter_count,
     parameter_counts,
     rank_parameter_counts,
     training_state_parts,
 )
+from lab2_trainer.recipe.muon import OPTIMIZERS, muon_problem
 
 GIB = 1024**3
 #: Bytes per element of each precision's autocast dtype (fp32: no autocast).
@@ -146,6 +148,7 @@ class PlanInput:
         bucket_mb: the gradient buckets (DDPBucketed, zero1, zero2), MiB.
         tp: tensor-parallel ranks (within a node); the sharding acts over world / tp.
         sequence_parallel: with ``tp`` > 1, norms and residual stream on a sequence slice.
+        optimizer: "adamw", or "muon" (the blocks' matrices keep one momentum buffer).
     """
 
     model: ModelConfig
@@ -162,6 +165,7 @@ class PlanInput:
     bucket_mb: float = 25.0
     tp: int = 1
     sequence_parallel: bool = False
+    optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=Hardware)
 
     @property
@@ -193,6 +197,12 @@ class PlanInput:
                              f"{self.precision!r}")
         self._check_tp()
         self.sharding, self.ddp = default_layout(self.dp, self.sharding, self.ddp)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got "
+                             f"{self.optimizer!r}")
+        problem = muon_problem(self.optimizer, self.sharding, self.tp)
+        if problem is not None:
+            raise ValueError(problem)
         if self.sharding not in SHARDING_KINDS:
             raise ValueError(f"--sharding must be one of {', '.join(SHARDING_KINDS)}; got "
                              f"{self.sharding!r}")
@@ -329,7 +339,8 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     counts = rank_parameter_counts(c, p.tp)
     n = counts["total"]
     N = p.dp  # the ranks the sharding kind shards over
-    state = training_state_parts(n, p.sharding, N, p.reshard_after_forward)
+    muon = muon_parameter_count(c) if p.optimizer == "muon" else 0  # tp 1: whole matrices
+    state = training_state_parts(n, p.sharding, N, p.reshard_after_forward, muon)
     bucket = p.bucket_mb * 1024**2
     buffers = 0.0
     # With one rank zero1's ShardedOptimizer is the plain optimizer: no buckets.
@@ -567,8 +578,10 @@ def assumptions(p: PlanInput) -> list[str]:
     """The plan's assumptions, in words, for the output."""
     hw = p.hardware
     return [
-        "fp32 weights, gradients and AdamW moments (16 bytes a parameter before sharding); "
-        "autocast computes in the precision's dtype",
+        "fp32 weights, gradients and AdamW moments (16 bytes a parameter before sharding; "
+        + ("12 for the blocks' matrices, Muon's, with one momentum buffer); "
+           if p.optimizer == "muon" else "); ")
+        + "autocast computes in the precision's dtype",
         f"activations of {'compiled' if p.compile else 'eager'} blocks, residual stream in "
         "fp32; peak at the start of the backward (or in the optimizer step when gradients "
         "outweigh activations)",
