@@ -30,6 +30,7 @@ from lab2_trainer.config import PRESETS, TrainSettings, model_config
 from lab2_trainer.data.batches import BatchSampler
 from lab2_trainer.data.corpus import load_corpus
 from lab2_trainer.models.transformer import TransformerLM
+from lab2_trainer.parallel.optimizers import MuonSettings, muon_ns_dtype
 from lab2_trainer.parallel.parallelize import parallelize
 from lab2_trainer.recipe.defaults import preset_run
 from lab2_trainer.recipe.schedule import WarmupCosine
@@ -68,7 +69,9 @@ def first_steps(preset: str, *, steps: int, batch_size: int, device: torch.devic
     model = TransformerLM(s.model, seed=seed, device=device)
     parallel = parallelize(model, sharding="none", ddp="none", device=device, lr=s.lr,
                            betas=(s.beta1, s.beta2), weight_decay=s.weight_decay,
-                           fused=device.type == "cuda")
+                           fused=device.type == "cuda",
+                           muon=(MuonSettings(s.muon_lr, ns_dtype=muon_ns_dtype(device))
+                                 if s.optimizer == "muon" else None))  # tiny's own
     schedule = WarmupCosine(s.lr, s.min_lr, s.warmup, s.steps)
     corpus = load_corpus()
     sampler = BatchSampler(corpus.train, s.model.context_length, batch_size, seed)
@@ -85,7 +88,8 @@ def first_steps(preset: str, *, steps: int, batch_size: int, device: torch.devic
     norms = [float(x) for x in torch.stack(norms).float().cpu()]
     return {"preset": preset, "d_model": s.model.d_model, "n_layers": s.model.n_layers,
             "batch": f"{batch_size}x{s.model.context_length}", "precision": precision,
-            "lr": s.lr, "warmup": s.warmup, "bound": bound, "loss": losses,
+            "lr": s.lr, "warmup": s.warmup, "optimizer": s.optimizer, "bound": bound,
+            "loss": losses,
             "grad_norm": norms, "lr_by_step": lrs,
             "max_loss_after_step_1": max(losses[1:]) if steps > 1 else None}
 

@@ -283,3 +283,23 @@ def test_the_planner_counts_one_momentum_buffer_for_muons_matrices():
         with pytest.raises(ValueError, match="--optimizer muon cannot run"):
             PlanInput(model=small, batch_size=16, gpus_per_node=8, sharding=sharding, tp=tp,
                       optimizer="muon").validate()
+
+
+def test_tiny_trains_with_muon_unless_the_layout_cuts_its_matrices(tmp_path):
+    """The main command's preset takes Muon as its own run default (recipe.defaults); a
+    flag wins, and --sharding fsdp or --tp > 1 leave it AdamW instead of refusing."""
+    from lab2_trainer.cli.main import build_parser, given_settings, resolve_settings
+
+    def new_run(argv):
+        args = build_parser().parse_args([*argv, "--out", str(tmp_path / "run")])
+        return resolve_settings(given_settings(args), "cpu")[0]
+
+    tiny = new_run(["--nproc", "2"])
+    assert (tiny.optimizer, tiny.muon_lr, tiny.sharding) == ("muon", MUON_LR, "zero1")
+    assert new_run(["--nproc", "2", "--optimizer", "adamw"]).optimizer == "adamw"
+    for argv in (["--nproc", "2", "--sharding", "fsdp"], ["--nproc", "2", "--tp", "2"]):
+        run = new_run(argv)
+        assert (run.optimizer, run.muon_lr) == ("adamw", None), argv
+    # A reshaped tiny and the other presets keep the general default, AdamW.
+    assert new_run(["--nproc", "2", "--d-model", "64"]).optimizer == "adamw"
+    assert new_run(["--nproc", "1", "--preset", "small"]).optimizer == "adamw"

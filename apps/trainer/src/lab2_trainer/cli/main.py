@@ -227,7 +227,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     else:
         # A preset's own run defaults (lab2_trainer.recipe.defaults.PRESET_RUNS), under what is
         # given.
-        explicit = {**preset_run(preset or "tiny", model_overrides), **explicit}
+        explicit = {**preset_run(preset or "tiny", model_overrides, explicit), **explicit}
         try:
             model = model_config(preset or "tiny", **model_overrides)
         except ValueError as exc:

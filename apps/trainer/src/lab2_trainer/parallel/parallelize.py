@@ -199,9 +199,9 @@ class Parallel:
 
     def full_optimizer_state(self, rank: int) -> dict | None:
         """The whole optimizer state in plain AdamW's format (state keyed by parameter
-        number, in ``param_groups``' order) on rank 0, None elsewhere; loadable by any
-        kind at any world size. A collective for sharded optimizers: call it on every
-        rank."""
+        number, in ``param_groups``' order; with Muon, AdamW's groups then Muon's) on rank
+        0, None elsewhere; loadable by any kind at any world size. A collective for sharded
+        optimizers: call it on every rank."""
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=0)
         return self.optimizer.state_dict() if rank == 0 else None
