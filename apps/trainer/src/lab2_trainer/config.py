@@ -390,7 +390,8 @@ class TrainSettings:
     """AdamW's second-moment decay."""
     clip: float = setting(1.0, group="optimisation")
     """Gradient-norm clip (0 turns it off)."""
-    optimizer: str = setting("adamw", choices=OPTIMIZERS, group="optimisation")
+    optimizer: str = setting("adamw", choices=OPTIMIZERS, group="optimisation",
+                             default_text="adamw (muon in tiny)")
     """adamw, or muon: zero1.Muon for the blocks' matrices, AdamW for the embeddings, the head
     and the vectors (lab2_trainer.recipe.muon)."""
     muon_lr: float | None = setting(None, group="optimisation", default_text="0.05")
