@@ -448,8 +448,8 @@ class TrainSettings:
     """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
     and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
     are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
-    data-parallel ranks. 1: none. Not yet with --compile, checkpoints (no --ckpt-every nor
-    --resume; the run ends without one) or dropout."""
+    data-parallel ranks. 1: none. Checkpoints hold the whole tensors: they resume at any --tp.
+    Not yet with --compile or dropout."""
     sequence_parallel: bool = setting(False, group="parallelism")
     """With --tp > 1: the norms and the residual stream work on each rank's slice of the
     sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
@@ -678,11 +678,6 @@ class TrainSettings:
         if self.compile:
             raise ValueError(f"--tp {tp} with --compile is not supported yet: minitp's "
                              "collectives break the compiled graphs")
-        if self.ckpt_every:
-            raise ValueError(f"--tp {tp} does not write checkpoints yet: drop "
-                             f"{flag('ckpt_every')}")
-        if self.resume is not None:
-            raise ValueError(f"--tp {tp} cannot resume from a checkpoint yet")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""

@@ -52,7 +52,11 @@ CKPT_DIR = "ckpt"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
 FORMAT = "lab2-trainer-sharded-checkpoint"
-VERSION = 1
+#: The manifest version written: 2, each tensor stored in its whole shape (1: as its flat
+#: view; :mod:`lab2_trainer.checkpoint.compat` says what reads what).
+VERSION = 2
+#: The manifest versions read.
+READS = (1, 2)
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 #: The largest manifest read (one is a few hundred bytes per file listed).
 MANIFEST_MAX_BYTES = 16 << 20
@@ -128,9 +132,10 @@ def _manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
             or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
                        and isinstance(v.get("crc32"), str) for v in files.values())):
         return None, f"its {MANIFEST} is not a lab2-trainer checkpoint manifest"
-    if body.get("version") != VERSION:
+    version = body.get("version")
+    if isinstance(version, bool) or version not in READS:
         return None, (f"its {MANIFEST} is manifest version {body.get('version')}; this "
-                      f"trainer reads {VERSION}")
+                      f"trainer reads {' and '.join(map(str, READS))}")
     return body, None
 
 
