@@ -4,7 +4,7 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 (``step-000100/``), each holding:
 
 * what ``torch.distributed.checkpoint`` wrote: one ``__<rank>_<n>.distcp`` file per
-  writing rank and ``.metadata`` (which ranges of which tensors are where);
+  writing rank and ``.metadata`` (which boxes of which tensors are where);
 * ``trainer.pt``: the run's small state, the fields of a single-file checkpoint
   (:mod:`lab2_trainer.checkpoint.single_file`) but the tensors of the model and of the optimizer
   (``step``, ``settings``, ``sampler``, ``rng``, ``optimizer_groups``, ...), sealed with
