@@ -40,7 +40,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
             source is not a complete, intact checkpoint with finite values (the checks of
             ``--resume``).
     """
-    from lab2_trainer.checkpoint.parts import COUNTS, MOMENTS, model_key, parameter_names, state_key
+    from lab2_trainer.checkpoint.parts import (
+        COUNTS,
+        MOMENTS,
+        model_key,
+        parameter_names,
+        state_key,
+    )
     from lab2_trainer.checkpoint.single_file import FORMAT as FILE_FORMAT
     from lab2_trainer.checkpoint.single_file import VERSION as FILE_VERSION
     from lab2_trainer.checkpoint.single_file import save_atomic
@@ -69,7 +75,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
                    for name, p in params.items()}
     state = {}
     order = [p for g in small["optimizer_groups"] for p in g["params"]]
-    by_number = dict(zip(order, _optimizer_order(model, small)))
+    decay = small["settings"].get("weight_decay", 0.0)
+    by_number = dict(zip(order, _optimizer_order(model, decay)))
     for number, p in by_number.items():
         name = names[id(p)]
         entry = {what: whole[state_key(name, what)].view(p.shape) for what in MOMENTS
@@ -87,11 +94,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     return folder
 
 
-def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torch.Tensor]:
+def _optimizer_order(model: torch.nn.Module, decay: float) -> list[torch.Tensor]:
     """The parameters in the trainer's AdamW order (``parallel.param_groups``)."""
     from lab2_trainer.parallel.parallelize import param_groups
 
-    decay = small["settings"].get("weight_decay", 0.0)
     return [p for g in param_groups(model, decay) for p in g["params"]]
 
 
@@ -107,8 +113,7 @@ def keyed_state(model: torch.nn.Module, optimizer_state: dict[str, Any],
     names = parameter_names(model)
     numbers = [n for g in optimizer_state["param_groups"] for n in g["params"]]
     out = {}
-    settings = {"weight_decay": weight_decay}
-    for number, p in zip(numbers, _optimizer_order(model, {"settings": settings})):
+    for number, p in zip(numbers, _optimizer_order(model, weight_decay)):
         for what, value in (optimizer_state["state"].get(number) or {}).items():
             if what in MOMENTS or what in COUNTS:
                 out[state_key(names[id(p)], what)] = torch.as_tensor(value)
