@@ -158,6 +158,11 @@ def save(parallel, kind: str, out: str, rank: int) -> None:
                           layout=getattr(parallel, "layout", None))
     writer.save(SAVED_AT, small if rank == 0 else None)
     writer.finish()
+    # The pinned buffers made ahead of the saves (on CUDA) are the boxes a save copies:
+    # the model's and the moments' (the counts are made at the save).
+    staged = {key: (buf.shape, buf.dtype) for key, buf in writer._buffers.items()
+              if not key[0].endswith(".step")}
+    assert staged == {key: (shape, dtype) for key, shape, dtype in writer._expected()}
 
 
 def step_folder(out) -> str:
