@@ -448,8 +448,8 @@ class TrainSettings:
     """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
     and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
     are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
-    data-parallel ranks. 1: none. Not yet with --compile, checkpoints (no --ckpt-every nor
-    --resume; the run ends without one) or dropout."""
+    data-parallel ranks. 1: none. Not yet with checkpoints (no --ckpt-every nor --resume; the
+    run ends without one)."""
     sequence_parallel: bool = setting(False, group="parallelism")
     """With --tp > 1: the norms and the residual stream work on each rank's slice of the
     sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
@@ -672,12 +672,6 @@ class TrainSettings:
         if tp == 1:
             return
         # What tensor parallelism does not support yet, refused before any rank starts.
-        if m.dropout:
-            raise ValueError(f"--tp {tp} does not support {flag('dropout')} yet (the ranks "
-                             "would draw different masks for the same activations)")
-        if self.compile:
-            raise ValueError(f"--tp {tp} with --compile is not supported yet: minitp's "
-                             "collectives break the compiled graphs")
         if self.ckpt_every:
             raise ValueError(f"--tp {tp} does not write checkpoints yet: drop "
                              f"{flag('ckpt_every')}")
