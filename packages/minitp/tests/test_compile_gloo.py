@@ -100,15 +100,14 @@ def compile_rank(rank: int, world: int) -> dict:
     local_t = T // world
     for sp in (False, True):
         x_in = _randn(1, B, local_t if sp else T, D)
-        # Column layer: the output sharded or gathered, the overlap on and off.
-        for gather_output in (False, True):
-            for overlap in (True, False):
-                out_cols = 2 * D if gather_output else 2 * D // world
-                add(f"column sp={sp} gather={gather_output} overlap={overlap}", _compare(
-                    functools.partial(ColumnParallelLinear.from_linear, _linear(2, D, 2 * D),
-                                      gather_output=gather_output, sequence_parallel=sp,
-                                      overlap_grad_reduce=overlap),
-                    [x_in], _randn(3, B, T, out_cols)))
+        # Column layer: the output sharded, overlapping; gathered, not overlapping.
+        for gather_output, overlap in ((False, True), (True, False)):
+            out_cols = 2 * D if gather_output else 2 * D // world
+            add(f"column sp={sp} gather={gather_output} overlap={overlap}", _compare(
+                functools.partial(ColumnParallelLinear.from_linear, _linear(2, D, 2 * D),
+                                  gather_output=gather_output, sequence_parallel=sp,
+                                  overlap_grad_reduce=overlap),
+                [x_in], _randn(3, B, T, out_cols)))
         # Row layer: the input sharded or whole.
         for input_is_parallel in (True, False):
             width = 2 * D // world if input_is_parallel else 2 * D

@@ -34,9 +34,9 @@ Compilation. dynamo does not trace a generator's state (``get_state``, ``set_sta
 eager code and refuses to run while ``torch.compile`` traces. Under compilation
 :func:`sharded_dropout` instead draws the mask of the whole tensor (as if it were not cut
 along ``dim``) from the default generator, the same on every rank, and keeps this rank's
-part: traceable, and this rank's part of the same mask that the uncut tensor would draw.
-Eager, that costs ``tp`` times the random numbers; a compiler that generates each
-random number from its position (inductor) may compute this rank's part only.
+part: traceable, and this rank's part of the mask ``F.dropout`` draws for the uncut tensor
+from that stream. It costs ``tp`` times the random numbers, and a transient buffer of the
+whole tensor's (inductor, torch 2.15, generates them all before it keeps the part).
 """
 
 from __future__ import annotations
