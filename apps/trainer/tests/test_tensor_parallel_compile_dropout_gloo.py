@@ -13,7 +13,8 @@
   slice (they differ between the ranks), the same again from the same seed and under full
   checkpointing (the recomputed forward forks the same streams). Compiled, each rank keeps
   its part of the mask of the whole stream: one process's steps again.
-* Dropout at rate 0 leaves everything as it was (the float64 steps above), and the loop
+* Dropout at rate 0 leaves everything as it was (the float64 steps above; nothing is
+  drawn from the default generators), and the loop
   with ``--tp 2 --sequence-parallel --dropout --compile`` (aot_eager) follows one process's
   loop; the default generators agree over each tensor-parallel group and differ between
   data-parallel ranks.
@@ -134,7 +135,9 @@ def _rank(rank, world_size, data, out):
     from torch._dynamo.utils import counters
 
     ctx = DistContext.from_process_group()
-    results: dict = {"steps": {}, "replicated": {}, "graphs": {}, "masks": {}}
+    results: dict = {"steps": {}, "replicated": {}, "graphs": {}, "masks": {}, "drew": {}}
+    torch.manual_seed(SEED)
+    seeded = rng_digest()
     if world_size == 2:
         mesh = Mesh.data_tensor(2)
         for case in CASES:
@@ -144,6 +147,7 @@ def _rank(rank, world_size, data, out):
             masks = record_masks(parallel.model) if case[1] is None and case[2] else None
             losses = train(parallel)
             results["steps"][case] = (losses, parallel.full_model_state(rank))
+            results["drew"][case] = rng_digest() != seeded  # anything drawn since the seed
             results["replicated"][case] = {
                 n: p.detach().clone() for n, p in parallel.model.named_parameters()
                 if not parallel.layout.is_sharded(n)}
@@ -209,6 +213,8 @@ def test_compiled_and_dropout_steps_equal_one_process(world_size, spawned):
         assert relative_error(ref_state, state) < 1e-12, case
     # Rate 0 draws nothing: the compiled runs without dropout are the plain model's.
     assert reference(0.0)[0] != reference(RATE)[0]
+    for rank_results in per_rank:
+        assert rank_results["drew"] == {case: bool(case[2]) for case in CASES}
 
 
 def test_no_graph_break_anywhere(world_size, spawned):

@@ -417,7 +417,8 @@ class TrainSettings:
     products' and attention's outputs and recomputes the norms and the elementwise rest;
     the losses are the same."""
     seed: int = setting(0, group="optimisation")
-    """Seed of the weights, the data order and the samples."""
+    """Seed of the weights, the data order, the samples and the dropout masks (each
+    data-parallel rank draws its own)."""
     nproc: int | None = setting(None, group="parallelism",
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
