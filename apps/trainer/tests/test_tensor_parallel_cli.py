@@ -46,10 +46,7 @@ def test_tp_that_does_not_divide_the_ranks_is_refused_by_the_real_command(tmp_pa
     (["--tp", "4", "--nproc", "4", "--sequence-parallel", "--context-length", "30"],
      ("--sequence-parallel needs --tp 4 to divide --context-length 30",)),
     (["--sequence-parallel", "--nproc", "2"], ("--sequence-parallel", "give --tp > 1")),
-    (["--tp", "2", "--nproc", "2", "--dropout", "0.1"], ("--tp 2", "--dropout")),
-    (["--tp", "2", "--nproc", "2", "--compile", "--compile-backend", "aot_eager"],
-     ("--tp 2 with --compile is not supported yet",)),
-], ids=["heads", "d-ff", "vocab", "sequence", "sp-without-tp", "dropout", "compile"])
+], ids=["heads", "d-ff", "vocab", "sequence", "sp-without-tp"])
 def test_what_tensor_parallelism_cannot_do_is_refused_before_any_rank_starts(
         capsys, monkeypatch, tmp_path, extra, fragments):
     refused_here(capsys, monkeypatch, [*B, *extra], tmp_path / "case", *fragments)

@@ -417,7 +417,8 @@ class TrainSettings:
     products' and attention's outputs and recomputes the norms and the elementwise rest;
     the losses are the same."""
     seed: int = setting(0, group="optimisation")
-    """Seed of the weights, the data order and the samples."""
+    """Seed of the weights, the data order, the samples and the dropout masks (each
+    data-parallel rank draws its own)."""
     nproc: int | None = setting(None, group="parallelism",
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
@@ -448,8 +449,7 @@ class TrainSettings:
     """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
     and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
     are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
-    data-parallel ranks. 1: none. Checkpoints hold the whole tensors: they resume at any --tp.
-    Not yet with --compile or dropout."""
+    data-parallel ranks. 1: none. Checkpoints hold the whole tensors: they resume at any --tp."""
     sequence_parallel: bool = setting(False, group="parallelism")
     """With --tp > 1: the norms and the residual stream work on each rank's slice of the
     sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
@@ -669,15 +669,6 @@ class TrainSettings:
         problem = tp_shape_problem(m, tp, self.sequence_parallel)
         if problem is not None:
             raise ValueError(problem)
-        if tp == 1:
-            return
-        # What tensor parallelism does not support yet, refused before any rank starts.
-        if m.dropout:
-            raise ValueError(f"--tp {tp} does not support {flag('dropout')} yet (the ranks "
-                             "would draw different masks for the same activations)")
-        if self.compile:
-            raise ValueError(f"--tp {tp} with --compile is not supported yet: minitp's "
-                             "collectives break the compiled graphs")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""

@@ -551,7 +551,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
        (:func:`~lab2_trainer.parallel.tensor.shard_transformer`, with
        ``sequence_parallel``), and everything after runs over the data-parallel group.
     1. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
-       is compiled block by block, or whole; everything after wraps or hooks the bare
+       (cut, under tensor parallelism: minitp's collectives trace as functional
+       collectives) is compiled block by block, or whole; everything after wraps or hooks the bare
        model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
        and FSDP2's module hooks still fire around the compiled graphs.
     2. The family of ``sharding`` (:data:`FAMILIES`) applies itself: a DDP wrapper around
@@ -585,8 +586,6 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
                          f"'none', not {ddp!r}")
     layout = None
     if mesh is not None and mesh.size("tp") > 1:
-        if compile is not None:
-            raise ValueError("compiling a tensor-parallel model is not supported yet")
         layout = shard_transformer(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
     elif sequence_parallel:
         raise ValueError("sequence parallelism needs a mesh with more than one "

@@ -39,7 +39,7 @@ from lab2_trainer.data.corpus import compression_baselines, load_corpus, unigram
 from lab2_trainer.models.activation_checkpointing import selective_kind
 from lab2_trainer.models.shapes import training_flops_per_token
 from lab2_trainer.models.transformer import TransformerLM
-from lab2_trainer.parallel.mesh import Mesh
+from lab2_trainer.parallel.mesh import Mesh, random_seed
 from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.recipe.schedule import WarmupCosine
 from lab2_trainer.reporting.profiling import StepProfiler
@@ -138,6 +138,8 @@ class Trainer:
         self.mesh = Mesh.data_tensor(s.tp) if s.tp > 1 else None
         self.data_rank = ((self.mesh.coordinate("dp"), self.mesh.size("dp"))
                           if self.mesh is not None else (ctx.rank, ctx.world_size))
+        # Dropout's masks: its own per data-parallel index, the same over a tp group.
+        torch.manual_seed(random_seed(s.seed, self.data_rank[0]))
         check_batch_layout(s.batch_size, self.data_rank[1], s.grad_accum)
         if s.compile:
             # The compiler's worker processes start now, while the data and the model are
