@@ -165,3 +165,32 @@ def test_float8_training_follows_bf16_with_compilation_and_checkpointing(device,
     for name in ("tensorwise", "rowwise"):
         assert abs(loss[name] - loss["bf16"]) < LOSS_TOL * loss["bf16"], (name, loss)
         assert abs(val[name] - val["bf16"]) < LOSS_TOL * val["bf16"], (name, val)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not float8_gpu(), reason="needs a CUDA GPU of compute capability 8.9+")
+def test_float8_on_a_gpu_composes_with_zero3_and_fsdp(corpus_dir, tmp_path):
+    # One rank of NCCL: zero3's and FSDP2's hooks, gathers and flat shards around the real
+    # float8 kernels, against the same run unsharded (the Gloo tests hold every world size,
+    # with float8 emulated).
+    import torch.distributed as dist
+
+    from lab2_testing.ddp_testkit import relative_error
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = DistContext(device=torch.device("cuda", 0))
+        got = {}
+        for kind in ("none", "zero3", "fsdp"):
+            trainer = Trainer(train_settings(corpus_dir, tmp_path / kind, "cuda", steps=6,
+                                             precision="fp8", sharding=kind, compile=True,
+                                             activation_checkpointing="full"), ctx)
+            trainer.run()
+            state = trainer.parallel.full_model_state(0)
+            got[kind] = {k: v.detach().float().cpu() for k, v in state.items()}
+            torch._dynamo.reset()
+    finally:
+        dist.destroy_process_group()
+    for kind in ("zero3", "fsdp"):
+        assert relative_error(got["none"], got[kind]) < 1e-3, kind
