@@ -276,8 +276,11 @@ SHARDING_KINDS = ("none", "zero1", "zero2", "zero3", "zero1-allreduce", "torch",
 #: zero1 reduce-scattering them (ShardedOptimizer's stages 1 and 2, and stage 3) and
 #: PyTorch's FSDP2.
 SELF_REDUCING = ("zero1", "zero2", "zero3", "fsdp")
-#: The one precision table: autocast name -> torch dtype name (None: no autocast).
-PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: The one precision table: autocast name -> torch dtype name (None: no autocast). fp8 is
+#: bf16 autocast with the blocks' matrix products in float8 (lab2_trainer.models.float8).
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+#: How fp8 scales its operands (``TrainSettings.fp8_recipe``): torchao's recipes.
+FP8_RECIPES = ("tensorwise", "rowwise")
 #: What ``--compile`` compiles (``TrainSettings.compile_scope``).
 COMPILE_SCOPES = ("blocks", "model")
 #: Which thread runs backward (``TrainSettings.backward_thread``).
@@ -391,7 +394,11 @@ class TrainSettings:
     """Gradient-norm clip (0 turns it off)."""
     precision: str = setting(AUTO, choices=(AUTO, *PRECISIONS), group="optimisation",
                              default_text="auto: bf16 on a CUDA device with bf16, else fp32")
-    """Autocast precision of the forward pass; "auto" leaves it to the device."""
+    """Autocast precision of the forward pass; "auto" leaves it to the device. fp8: bf16,
+    with the blocks' matrix products in float8 (torchao; a GPU of compute capability 8.9+)."""
+    fp8_recipe: str = setting("tensorwise", choices=FP8_RECIPES, group="optimisation")
+    """With --precision fp8, the float8 scales: "tensorwise" (one a tensor; fastest) or
+    "rowwise" (one a row; more accurate, slower). Ignored by the other precisions."""
     compile: bool | None = setting(None, group="optimisation", default_text="auto: on with a "
                                    "CUDA device with bf16, else off")
     """Compile the model with ``torch.compile`` (what --compile-scope says): --compile (or
@@ -592,6 +599,7 @@ class TrainSettings:
             _number(flag(name), getattr(self, name), lambda v: 0 <= v < 1, "in [0, 1)")
         _number(flag("clip"), self.clip, lambda v: v >= 0, ">= 0")
         _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        _one_of(flag("fp8_recipe"), self.fp8_recipe, FP8_RECIPES)
         if not isinstance(self.compile, bool):
             raise ValueError(f"{flag('compile')} must be on, off or auto, got {self.compile!r}")
         _one_of(flag("compile_scope"), self.compile_scope, COMPILE_SCOPES)

@@ -178,7 +178,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     from lab2_trainer.checkpoint.compat import check_checkpoint_fits, check_sharded_checkpoint_fits
     from lab2_trainer.checkpoint.folders import has_checkpoint
     from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
-    from lab2_trainer.cli.checks import bf16_supported, check_compile, check_memory
+    from lab2_trainer.cli.checks import bf16_supported, check_compile, check_fp8, check_memory
     from lab2_trainer.data.batches import check_batch_layout
     from lab2_trainer.data.corpus import load_corpus
     from lab2_trainer.runtime.paths import check_input_path, check_out_path, check_path_length
@@ -263,6 +263,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         check_compile(settings.compile_backend, settings.compile_mode)
     check_batch_layout(settings.batch_size, settings.data_parallel_size(world_size),
                        settings.grad_accum)
+    check_fp8(settings, world_size, device_type)
     corpus = load_corpus(settings.data, settings.vocab_size)
     if corpus.vocab_size != settings.model.vocab_size:
         raise UsageError(f"the data has vocabulary {corpus.vocab_size}, the model "

@@ -51,6 +51,7 @@ from lab2_trainer.reporting.report import (
     device_peak,
     matmul_parameters,
     mfu,
+    precision_name,
     provenance,
     recompute_flops_per_token,
 )
@@ -180,7 +181,8 @@ class Trainer:
             fused=fused_adamw_available(ctx.device), compile=compile_spec,
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward, mesh=self.mesh,
-            sequence_parallel=s.sequence_parallel)
+            sequence_parallel=s.sequence_parallel,
+            float8=s.fp8_recipe if s.precision == "fp8" else None)
         self.clock.mark("parallelize")
         # How tensor parallelism cut the model (None without): what checkpoints map.
         self.layout = getattr(self.parallel, "layout", None)
@@ -502,7 +504,8 @@ class Trainer:
         checkpointing = ("" if s.activation_checkpointing == "none" else
                          f", activation checkpointing {self._checkpointing_label()}")
         return (f"{ranks}, {backend}, {ctx.device.type}, {ddp}, {opt}, "
-                f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
+                f"norm={s.model.norm}, {precision_name(s.precision, s.fp8_recipe)}"
+                f"{self._compile_label()}{checkpointing}")
 
     def _checkpointing_label(self) -> str:
         kind = self.s.activation_checkpointing
