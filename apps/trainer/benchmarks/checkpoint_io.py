@@ -45,7 +45,7 @@ def make_state(gb: float, tensors: int) -> list[Part]:
     for i in range(tensors):
         t = torch.empty(numel, dtype=torch.float32, pin_memory=pin)
         t.uniform_()
-        parts.append(Part(f"model.t{i}", numel, 0, t))
+        parts.append(Part(f"model.t{i}", (numel,), (0,), t))
     return parts
 
 

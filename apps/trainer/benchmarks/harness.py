@@ -79,6 +79,9 @@ SHARDINGS: dict[str, tuple[str, str, bool]] = {
     "fsdp": ("fsdp", "none", True),
     "fsdp-keep": ("fsdp", "none", False),
 }
+#: The precisions a script takes by name: autocast alone. fp8 also converts the blocks
+#: (``parallelize``'s ``float8``): ``fp8_throughput.py`` measures it.
+AUTOCAST_PRECISIONS = [name for name in PRECISIONS if name != "fp8"]
 #: The points of a step, in order.
 POINTS = ("forward", "backward", "sync", "optimizer")
 MIB = 2**20
@@ -99,7 +102,7 @@ def parser(description: str, *, ranks: bool = False,
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--preset", dest="presets", type=split, default=None,
                    help=f"comma-separated: micro, {', '.join(PRESETS)}")
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
+    p.add_argument("--precision", default="fp32", choices=AUTOCAST_PRECISIONS)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (per rank)")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=None)

@@ -214,6 +214,14 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
               f"Wall clock {result['wall_s']:.0f} s for {result['steps']} steps; validation "
               f"below gzip at {when(result['below_gzip_s'])}, below xz at "
               f"{when(result['below_xz_s'])}."]
+    clock = result.get("wall_clock")
+    if clock:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in clock.get("startup_parts", {}).items()
+                          if v >= 0.05)
+        lines.append(f"Where it went (s): start-up {clock['startup_s']:.1f} ({parts}), "
+                     f"compilation {clock['compilation_s']:.1f}, training "
+                     f"{clock['training_s']:.1f}, evaluation {clock['evaluation_s']:.1f}, "
+                     f"other {clock['other_s']:.1f}.")
     if result.get("budget_s"):
         lines.append(f"Budget {result['budget_s']:.0f} s: the run took {result['wall_s']:.0f} "
                      f"s ({result['wall_s'] / result['budget_s']:.0%}).")
@@ -284,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
               **sizing, **report(rows, summary, args.target), "command": cmd[1:],
               "budget_fill": None if args.budget is None else summary["wall_clock"]["wall_s"]
               / args.budget,
-              "settings": summary["settings"], "setup": summary["setup"]}
+              "settings": summary["settings"], "setup": summary["setup"],
+              "wall_clock": summary["wall_clock"]}
     text = markdown(result, rows)
     print(text, end="")
     if args.out is not None:

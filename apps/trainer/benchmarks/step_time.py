@@ -23,7 +23,7 @@ from typing import Any
 import harness
 import torch
 
-from lab2_trainer.config import NORM_KINDS, PRECISIONS
+from lab2_trainer.config import NORM_KINDS
 from lab2_trainer.models.shapes import training_flops_per_token
 from lab2_trainer.reporting.report import device_peak, matmul_parameters, mfu
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None):
                                      harness.MODES)
     args.precisions = harness.check_names(
         p, "precision", args.precisions or ["fp32", "bf16"] + (
-            ["fp16"] if args.device.startswith("cuda") else []), PRECISIONS)
+            ["fp16"] if args.device.startswith("cuda") else []), harness.AUTOCAST_PRECISIONS)
     args.norms = harness.check_names(p, "norm", dict.fromkeys(args.norms), NORM_KINDS)
     args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     return args

@@ -79,3 +79,26 @@ def test_goodput_runs_the_command_and_reads_its_stalls(tmp_path):
     (record,) = read_records(tmp_path / "goodput.jsonl")
     assert record["variant"] == "async" and record["saves"] == 2
     assert 0 < record["goodput"] < 1 and len(record["stalls_s"]) == 2
+
+
+def test_fp8_throughput_interleaves_the_precisions_on_the_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fp8_throughput.py"), "--device", "cpu", "--no-compile",
+         "--rounds", "2", "--window", "1", "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_records(tmp_path / "fp8_throughput.jsonl")
+    assert [r["config"]["variant"] for r in records] == ["bf16", "tensorwise", "rowwise",
+                                                          "bf16#2"]
+    ratios = {r["config"]["variant"]: r["metrics"] for r in records}
+    assert ratios["bf16"]["ratio"] == 1 and ratios["bf16"]["predicted_ratio"] == 1
+    # The planner counts the blocks' products at the float8 peak: faster, at most 2x.
+    assert 1 < ratios["tensorwise"]["predicted_ratio"] < 2
+    assert "A/A control bf16#2" in done.stdout
+
+
+def test_fp8_throughput_refuses_an_unknown_variant():
+    done = subprocess.run([sys.executable, str(SCRIPTS / "fp8_throughput.py"), "--device",
+                           "cpu", "--variants", "bf16", "fp4"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "unknown variant(s) fp4" in done.stderr

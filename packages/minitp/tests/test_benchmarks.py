@@ -47,3 +47,14 @@ def test_vocab_ce_memory_quick():
         # when the backend frees a finished collective late.
         slack = float(gathered_analytic) / 3 * 1.5
         assert 0 <= float(gathered) - float(gathered_analytic) <= slack, rows
+
+
+def test_host_time_quick():
+    out = _run("host_time.py", "--quick")
+    assert "| kind | variant | us to issue | us per call |" in out
+    rows = _table(out)
+    assert [(r[0], r[1]) for r in rows[:3]] == [
+        ("all-reduce", "torch.distributed"), ("all-reduce", "functional"),
+        ("all-reduce", "torch.distributed (A/A)")]
+    assert {r[0] for r in rows} == {"all-reduce", "all-gather", "reduce-scatter", "dropout"}
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)

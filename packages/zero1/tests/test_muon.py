@@ -65,6 +65,38 @@ def test_newton_schulz_orthogonalises_and_keeps_zero():
         newton_schulz(torch.zeros(3))
 
 
+@given(n=st.integers(1, 4), rows=st.integers(1, 9), cols=st.integers(1, 9),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_stack_is_each_matrix_on_its_own(n, rows, cols, seed):
+    """Batched iteration: the same result as one matrix at a time (each by its own norm)."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-3, 3, n, dtype=torch.float64)[:, None, None]
+    stack = torch.randn(n, rows, cols, generator=gen, dtype=torch.float64) * scales
+    together = newton_schulz(stack, dtype=None)
+    for i in range(n):
+        assert _rel(together[i], newton_schulz(stack[i], dtype=None)) < 1e-12
+
+
+def test_a_step_over_many_shapes_matches_each_matrix_alone():
+    """Matrices grouped into stacks by shape step exactly as each alone in its own Muon."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(6, 4), (4, 6), (6, 4), (5, 5), (6, 4), (4, 6)]
+    together = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+                for s in shapes]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
+    opt = Muon(together, lr=0.02, ns_dtype=None)
+    opts = [Muon([p], lr=0.02, ns_dtype=None) for p in alone]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        for p, q, g in zip(together, alone, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        for o in opts:
+            o.step()
+    for p, q in zip(together, alone):
+        assert _rel(p.detach(), q.detach()) < 1e-13
+
+
 def _step_reference(w, grads, lr, wd, mu, nesterov, fn):
     """The update written out, in float64, with the reference iteration."""
     buf = torch.zeros_like(w)

@@ -277,8 +277,11 @@ SHARDING_KINDS = ("none", "zero1", "zero2", "zero3", "zero1-allreduce", "torch",
 #: zero1 reduce-scattering them (ShardedOptimizer's stages 1 and 2, and stage 3) and
 #: PyTorch's FSDP2.
 SELF_REDUCING = ("zero1", "zero2", "zero3", "fsdp")
-#: The one precision table: autocast name -> torch dtype name (None: no autocast).
-PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: The one precision table: autocast name -> torch dtype name (None: no autocast). fp8 is
+#: bf16 autocast with the blocks' matrix products in float8 (lab2_trainer.models.float8).
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+#: How fp8 scales its operands (``TrainSettings.fp8_recipe``): torchao's recipes.
+FP8_RECIPES = ("tensorwise", "rowwise")
 #: What ``--compile`` compiles (``TrainSettings.compile_scope``).
 COMPILE_SCOPES = ("blocks", "model")
 #: Which thread runs backward (``TrainSettings.backward_thread``).
@@ -398,7 +401,11 @@ class TrainSettings:
     """Muon's peak learning rate (--optimizer muon), on --lr's warm-up and cosine."""
     precision: str = setting(AUTO, choices=(AUTO, *PRECISIONS), group="optimisation",
                              default_text="auto: bf16 on a CUDA device with bf16, else fp32")
-    """Autocast precision of the forward pass; "auto" leaves it to the device."""
+    """Autocast precision of the forward pass; "auto" leaves it to the device. fp8: bf16,
+    with the blocks' matrix products in float8 (torchao; a GPU of compute capability 8.9+)."""
+    fp8_recipe: str = setting("tensorwise", choices=FP8_RECIPES, group="optimisation")
+    """With --precision fp8, the float8 scales: "tensorwise" (one a tensor; fastest) or
+    "rowwise" (one a row; more accurate, slower). Ignored by the other precisions."""
     compile: bool | None = setting(None, group="optimisation", default_text="auto: on with a "
                                    "CUDA device with bf16, else off")
     """Compile the model with ``torch.compile`` (what --compile-scope says): --compile (or
@@ -424,7 +431,8 @@ class TrainSettings:
     products' and attention's outputs and recomputes the norms and the elementwise rest;
     the losses are the same."""
     seed: int = setting(0, group="optimisation")
-    """Seed of the weights, the data order and the samples."""
+    """Seed of the weights, the data order, the samples and the dropout masks (each
+    data-parallel rank draws its own)."""
     nproc: int | None = setting(None, group="parallelism",
                                 default_text="2 on CPU, 1 on GPU; ignored under torchrun")
     """Local ranks to spawn."""
@@ -455,8 +463,7 @@ class TrainSettings:
     """Tensor-parallel ranks (minitp): each block's attention heads and feed-forward width,
     and the vocabulary of the embedding and the head, split over N adjacent ranks. The ranks
     are a dp x tp mesh, tensor-parallel ranks innermost; --sharding and --ddp act over the
-    data-parallel ranks. 1: none. Not yet with --compile, checkpoints (no --ckpt-every nor
-    --resume; the run ends without one) or dropout."""
+    data-parallel ranks. 1: none. Checkpoints hold the whole tensors: they resume at any --tp."""
     sequence_parallel: bool = setting(False, group="parallelism")
     """With --tp > 1: the norms and the residual stream work on each rank's slice of the
     sequence (all-gathers and reduce-scatters where plain tensor parallelism all-reduces:
@@ -603,6 +610,7 @@ class TrainSettings:
         _one_of(flag("optimizer"), self.optimizer, OPTIMIZERS)
         _number(flag("muon_lr"), self.muon_lr, lambda v: v > 0, "> 0")
         _one_of(flag("precision"), self.precision, tuple(PRECISIONS))
+        _one_of(flag("fp8_recipe"), self.fp8_recipe, FP8_RECIPES)
         if not isinstance(self.compile, bool):
             raise ValueError(f"{flag('compile')} must be on, off or auto, got {self.compile!r}")
         _one_of(flag("compile_scope"), self.compile_scope, COMPILE_SCOPES)
@@ -683,20 +691,6 @@ class TrainSettings:
         problem = tp_shape_problem(m, tp, self.sequence_parallel)
         if problem is not None:
             raise ValueError(problem)
-        if tp == 1:
-            return
-        # What tensor parallelism does not support yet, refused before any rank starts.
-        if m.dropout:
-            raise ValueError(f"--tp {tp} does not support {flag('dropout')} yet (the ranks "
-                             "would draw different masks for the same activations)")
-        if self.compile:
-            raise ValueError(f"--tp {tp} with --compile is not supported yet: minitp's "
-                             "collectives break the compiled graphs")
-        if self.ckpt_every:
-            raise ValueError(f"--tp {tp} does not write checkpoints yet: drop "
-                             f"{flag('ckpt_every')}")
-        if self.resume is not None:
-            raise ValueError(f"--tp {tp} cannot resume from a checkpoint yet")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""

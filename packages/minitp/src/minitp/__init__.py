@@ -13,6 +13,12 @@ with its shards, and the ranks talk only where a shard's result must be combined
 * :mod:`minitp.plan`: :func:`parallelize` shards an existing model in place by a plan of
   module-name patterns and styles.
 * :mod:`minitp.llama`: the plan of Hugging Face Llama-style models.
+* :mod:`minitp.random`: random numbers under tensor parallelism: the same draws where the
+  ranks hold the same tensor, each rank's own where each holds a part
+  (:func:`sharded_rng`, :func:`sharded_dropout`, :func:`check_same_rng`).
+
+Everything works under ``torch.compile``: the collectives trace as functional collectives,
+a region of layers is one graph.
 """
 
 from minitp.layers import ColumnParallelLinear, RowParallelLinear
@@ -43,6 +49,7 @@ from minitp.plan import (
     check_plan,
     parallelize,
 )
+from minitp.random import check_same_rng, sharded_dropout, sharded_rng
 from minitp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __version__ = "0.1.0"
@@ -62,6 +69,7 @@ __all__ = [
     "VocabEmbedding",
     "VocabParallelEmbedding",
     "check_plan",
+    "check_same_rng",
     "copy_to_region",
     "count_communication",
     "fallback_collectives",
@@ -71,6 +79,8 @@ __all__ = [
     "parallelize",
     "reduce_from_region",
     "reduce_scatter_to_sequence",
+    "sharded_dropout",
+    "sharded_rng",
     "split_to_region",
     "split_to_sequence",
     "sum_gradient_over_group",

@@ -42,6 +42,22 @@ slice (twice the traffic: a ring all-reduce sends 2(n-1)/n of the tensor per ran
 reduce-scatter (n-1)/n), and the all-gather becomes ``all_gather`` into a list then one
 copy (the same traffic). The counter still records a reduce-scatter or an all-gather.
 :func:`fallback_collectives` forces them, so that they can be tested anywhere.
+
+Compilation. ``torch.compile`` cannot trace ``torch.distributed``'s in-place collectives
+started with ``async_op=True`` (dynamo breaks the graph at each). While it traces
+(``torch.compiler.is_compiling()``), every collective here is a functional collective
+instead, the ops under ``torch.distributed._functional_collectives``
+(``_c10d_functional.all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+along dim 0, and ``wait_tensor`` where eager waits for its work), so that a region of
+tensor-parallel layers is one graph forward and backward. The ops rather than that
+module's functions: while tracing, those put the wait right after the collective, which
+would take the column layer's overlap out of the graph; with the ops the wait stands after
+the weight gradient's product, as in eager. Functional collectives allocate their result
+rather than writing into their input, so callers use what :meth:`Pending.wait` returns. In
+eager mode nothing changes: the ``torch.distributed`` calls. Under compilation the
+fallbacks are used where forced or where an eager call has already found the collective
+missing (a compiled graph cannot try and catch), and nothing is counted:
+:func:`count_communication` sees eager calls only.
 """
 
 from __future__ import annotations
@@ -52,9 +68,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401 (the ops' tracing rules)
 from torch.autograd import Function
 
 Group = dist.ProcessGroup | None
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (then the collectives here are
+    functional ones)."""
+    return torch.compiler.is_compiling()
 
 
 # ------------------------------------------------------------------ process group
@@ -152,6 +175,8 @@ def count_communication() -> Iterator[CommCounter]:
 
 def _record(kind: str, phase: str, full: torch.Tensor | torch.Size, itemsize: int,
             n: int) -> None:
+    if compiling():  # a compiled graph runs what was traced: nothing to count here
+        return
     if _COUNTERS:
         shape = tuple(full)
         numel = 1
@@ -179,6 +204,35 @@ class Pending:
         return self._result()
 
 
+def _functional():
+    """The functional collectives' ops (``torch.ops._c10d_functional``)."""
+    return torch.ops._c10d_functional
+
+
+def _traced(started: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+    """A functional collective in flight: ``wait_tensor`` marks where the graph needs its
+    result (what eager's ``work.wait()`` does), then ``finish`` shapes it."""
+    return Pending(None, lambda: finish(_functional().wait_tensor(started)))
+
+
+def _group_name(group: Group) -> str:
+    """The name the functional collectives know a group by (the default group's for
+    None)."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+#: The functional collectives' names of the reductions minitp uses.
+_OP_NAMES = (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+             ("min", dist.ReduceOp.MIN))
+
+
+def _op_name(op: dist.ReduceOp) -> str:
+    for name, value in _OP_NAMES:
+        if op == value:
+            return name
+    raise ValueError(f"minitp reduces by sum, max or min only, got {op}")
+
+
 #: (collective, backend) pairs a backend has said it lacks; the fallback is used from then on.
 _MISSING: set[tuple[str, str]] = set()
 _FORCE_FALLBACK = [False]
@@ -186,8 +240,9 @@ _FORCE_FALLBACK = [False]
 
 @contextlib.contextmanager
 def fallback_collectives() -> Iterator[None]:
-    """Use the fallbacks (all-reduce then slice; ``all_gather`` into a list) while the
-    block runs, even where the backend has the tensor collectives: to test them."""
+    """Use the fallbacks (all-reduce then slice; ``all_gather`` into a list, or under
+    compilation an all-reduce of zeros around this rank's part) while the block runs, even
+    where the backend has the tensor collectives: to test them."""
     saved = _FORCE_FALLBACK[0]
     _FORCE_FALLBACK[0] = True
     try:
@@ -213,11 +268,22 @@ def _native(name: str, group: Group, launch: Callable[[], dist.Work]) -> dist.Wo
         return None
 
 
+def _traced_fallback(name: str) -> bool:
+    """Under compilation: whether to trace the fallback of collective ``name`` (forced, or
+    found missing by an eager call on some backend)."""
+    return _FORCE_FALLBACK[0] or any(missing == name for missing, _ in _MISSING)
+
+
 def start_all_reduce(x: torch.Tensor, group: Group, phase: str,
                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
-    """Sum (or ``op``) ``x`` over the group, in place; ``x`` must be contiguous."""
+    """Sum (or ``op``) ``x`` over the group; ``wait()`` returns the result. In eager mode
+    the sum is written into ``x`` (contiguous, the caller's to overwrite) and ``wait()``
+    returns ``x``; under compilation ``x`` is left alone and the result is a new tensor."""
     n = group_size(group)
     _record("all_reduce", phase, x.shape, x.element_size(), n)
+    if compiling():
+        return _traced(_functional().all_reduce(x, _op_name(op), _group_name(group)),
+                       lambda out: out)
     return Pending(dist.all_reduce(x, op=op, group=group, async_op=True), lambda: x)
 
 
@@ -229,6 +295,17 @@ def start_all_gather(x: torch.Tensor, dim: int, group: Group, phase: str) -> Pen
     full = torch.Size((n * moved.shape[0], *moved.shape[1:]))
     _record("all_gather", phase, x.shape[:dim] + (full[0],) + x.shape[dim + 1:],
             x.element_size(), n)
+    if compiling():
+        name = _group_name(group)
+        if _traced_fallback("all_gather_into_tensor"):
+            # Zeros but for this rank's part, summed: every rank's parts, twice the traffic.
+            r = group_rank(group)
+            zeros = [moved.new_zeros(moved.shape)] * n
+            placed = torch.cat([*zeros[:r], moved, *zeros[r + 1:]])
+            return _traced(_functional().all_reduce(placed, "sum", name),
+                           lambda out: out.movedim(0, dim).contiguous())
+        return _traced(_functional().all_gather_into_tensor(moved, n, name),
+                       lambda out: out.movedim(0, dim).contiguous())
     out = moved.new_empty(full)
     work = _native("all_gather_into_tensor", group, lambda: dist.all_gather_into_tensor(
         out, moved, group=group, async_op=True))
@@ -254,6 +331,14 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, group: Group, phase: str) ->
     _split_size(x.shape[dim], n, dim, "reduce-scatter")
     _record("reduce_scatter", phase, x.shape, x.element_size(), n)
     moved = x.movedim(dim, 0).contiguous()
+    if compiling():
+        name = _group_name(group)
+        if _traced_fallback("reduce_scatter_tensor"):
+            r = group_rank(group)
+            return _traced(_functional().all_reduce(moved, "sum", name),
+                           lambda out: out.chunk(n)[r].movedim(0, dim).contiguous())
+        return _traced(_functional().reduce_scatter_tensor(moved, "sum", n, name),
+                       lambda out: out.movedim(0, dim).contiguous())
     out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
     work = _native("reduce_scatter_tensor", group, lambda: dist.reduce_scatter_tensor(
         out, moved, group=group, async_op=True))
@@ -273,7 +358,10 @@ def _slice(x: torch.Tensor, dim: int, group: Group, what: str) -> torch.Tensor:
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy that an in-place collective may overwrite."""
+    """A contiguous copy that an in-place collective may overwrite (under compilation ``x``
+    itself: the functional collectives write nothing in place)."""
+    if compiling():
+        return x
     return x.clone(memory_format=torch.contiguous_format)
 
 

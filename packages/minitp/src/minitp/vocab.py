@@ -33,6 +33,7 @@ from torch.autograd import Function
 from minitp.layers import shard_size
 from minitp.mappings import (
     Group,
+    compiling,
     group_rank,
     group_size,
     reduce_from_region,
@@ -44,13 +45,18 @@ from minitp.mappings import (
 def _check_ids(ids: torch.Tensor, vocab: int, what: str, ignore_index: int | None = None
                ) -> None:
     """Refuse ids outside ``[0, vocab)`` (but ``ignore_index``): a sharded lookup would
-    otherwise give zeros silently. Costs one device synchronisation."""
+    otherwise give zeros silently. Costs one device synchronisation. Under compilation,
+    where reading a value on the host would break the graph, the check is an assertion
+    in the graph (``torch._assert_async``: a ``RuntimeError`` on the CPU, a device-side
+    assertion on a GPU) that does not name the id."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"{what} must be integers, got {ids.dtype}")
     bad = (ids < 0) | (ids >= vocab)
     if ignore_index is not None:
         bad &= ids != ignore_index
-    if ids.numel() and bool(bad.any()):
+    if compiling():
+        torch._assert_async(~bad.any(), f"{what} outside [0, {vocab})")
+    elif ids.numel() and bool(bad.any()):
         raise ValueError(f"{what} holds {ids[bad][0].item()}, outside [0, {vocab})")
 
 
@@ -159,7 +165,7 @@ class _VocabParallelCrossEntropy(Function):
 
         # max over the whole vocabulary (exact in any dtype): local max, then the group's.
         m = z.max(dim=-1).values.to(dtype).contiguous()
-        start_all_reduce(m, group, "forward", op=dist.ReduceOp.MAX).wait()
+        m = start_all_reduce(m, group, "forward", op=dist.ReduceOp.MAX).wait()
         sum_exp = torch.empty_like(m)
         step = _rows_per_chunk(local_vocab)
         for s in range(0, z.shape[0], step):
@@ -169,7 +175,7 @@ class _VocabParallelCrossEntropy(Function):
             .masked_fill(~here, 0)
         # Σ exp and the target's logit, summed over the group in one collective.
         sums = torch.stack([sum_exp, target_logit])
-        start_all_reduce(sums, group, "forward").wait()
+        sums = start_all_reduce(sums, group, "forward").wait()
         sum_exp, target_logit = sums
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 

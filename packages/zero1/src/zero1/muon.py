@@ -69,26 +69,34 @@ def newton_schulz(matrix: torch.Tensor, steps: int = 5,
     [0.7, 1.2] after five steps), its singular vectors kept. Returns a new tensor in
     ``dtype`` (None: ``matrix``'s own).
 
+    A 3-D ``matrix`` is a stack of matrices of one shape, each orthogonalised on its own
+    (each normalised by its own norm) in batched products: one launch per product for the
+    whole stack instead of one per matrix, which is what keeps the step off the host's
+    critical path when a model has dozens of small matrices.
+
     Args:
-        matrix: a 2-D tensor.
+        matrix: a 2-D tensor, or a 3-D stack ``[n, rows, cols]``.
         steps: iterations of ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``.
         coefficients: (a, b, c).
         eps: the smallest norm divided by (a zero matrix stays zero).
         dtype: the dtype the iteration runs in.
     """
-    if matrix.dim() != 2:
-        raise ValueError(f"newton_schulz: expected a 2-D matrix, got shape {list(matrix.shape)}")
+    if matrix.dim() not in (2, 3):
+        raise ValueError(f"newton_schulz: expected a 2-D matrix or a 3-D stack of them, got "
+                         f"shape {list(matrix.shape)}")
     a, b, c = coefficients
     x = matrix.to(dtype=dtype or matrix.dtype, copy=True)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the wide orientation: A = XXᵀ is then the smaller Gram matrix
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))  # the spectral norm is at most the Frobenius norm: ≤ 1
+        x = x.mT
+    # The spectral norm is at most the Frobenius norm: each matrix starts at norm <= 1.
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # bA + cA²
-        x = torch.addmm(x, poly, x, beta=a)  # aX + (bA + cA²)X
-    return x.T if tall else x
+        gram = x @ x.mT
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # bA + cA²
+        x = addmm(x, poly, x, beta=a)  # aX + (bA + cA²)X
+    return x.mT if tall else x
 
 
 class Muon(Optimizer):
@@ -186,22 +194,41 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            decay = 1 - lr * group["weight_decay"]
+            params, grads, bufs = [], [], []
             for p in group["params"]:
-                grad = p.grad
-                if grad is None:
+                if p.grad is None:
                     continue
-                if grad.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("Muon: sparse gradients are not supported")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"],
-                                      group["eps"], group["ns_dtype"])
-                p.mul_(decay)
-                p.add_(ortho, alpha=-adjusted_lr(lr, p.shape, group["adjust_lr_fn"]))
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                params.append(p)
+                grads.append(p.grad)
+                bufs.append(state["momentum_buffer"])
+            if params:
+                self._step_group(group, params, grads, bufs)
         return loss
+
+    @staticmethod
+    def _step_group(group: dict[str, Any], params: list[torch.Tensor],
+                    grads: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
+        """One step of a param group's matrices that have gradients. The elementwise parts
+        run as multi-tensor (``_foreach``) kernels, and matrices of one shape and dtype go
+        through :func:`newton_schulz` as one stack: the same arithmetic as one matrix at a
+        time, in a few launches instead of a few per matrix."""
+        lr, momentum = group["lr"], group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = (torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"]
+                   else bufs)
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        stacks: dict[tuple[Any, ...], list[int]] = {}
+        for i, p in enumerate(params):
+            stacks.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
+        for (shape, _, _), members in stacks.items():
+            stacked = torch.stack([updates[i] for i in members])
+            ortho = newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"],
+                                  group["eps"], group["ns_dtype"])
+            step = -adjusted_lr(lr, shape, group["adjust_lr_fn"])
+            for i, o in zip(members, ortho.unbind()):
+                params[i].add_(o, alpha=step)

@@ -4,6 +4,18 @@ state (zero1's checks, on ``meta`` tensors: AdamW's, and with ``--optimizer muon
 part of it), the random state, the gradient scaler and the sampler's position. A mismatch
 is one line naming the checkpoint and the first thing that does not fit
 (:class:`lab2_trainer.config.UsageError`).
+
+What reads what (step folders; their manifest's ``version``):
+
+* manifest version 2 (this trainer's): every tensor stored in its whole shape, the shape it
+  has at ``--tp 1``; written at any ``--tp``, read at any ``--tp``, world size and kind;
+* manifest version 1 (trainer 0.12.0 and earlier): every tensor stored as its flat 1-D view;
+  still read, at any ``--tp`` (each rank reads the ranges of the flat view that hold its
+  boxes), and exported;
+* a trainer of manifest version 1 refuses a version 2 step folder in one line, before any
+  rank starts (its manifest's version);
+* single-file checkpoints (``lab2-train export``'s, earlier runs' ``ckpt.pt``) hold the
+  whole model and optimizer state in the ``--tp 1`` layout, and resume at any ``--tp``.
 """
 
 from __future__ import annotations
@@ -54,9 +66,10 @@ def check_checkpoint_fits(ckpt: dict[str, Any], settings: Any, path: Any) -> Non
 def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any],
                                   settings: Any, path: Any) -> None:
     """A sharded checkpoint (its ``trainer.pt`` and DCP's metadata, ``tensors``) fits the
-    run about to start: every parameter's flat tensor of its size, AdamW's state whole or
-    absent for each, nothing else; then what :func:`check_checkpoint_fits` checks of the
-    rest. No tensor is read.
+    run about to start: every parameter's tensor of its whole shape (its flat view of as
+    many elements in a checkpoint of manifest version 1, where every tensor is 1-D), the
+    optimizer's state whole or absent for each, nothing else; then what
+    :func:`check_checkpoint_fits` checks of the rest. No tensor is read.
 
     Raises:
         UsageError: one line naming the checkpoint and the first thing that does not fit.
@@ -64,34 +77,39 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from lab2_trainer.checkpoint.parts import (
-        MOMENTS,
-        MUON_STATE,
         model_key,
         parameter_names,
         state_key,
+        state_names,
     )
 
     model = shape_model(settings.model)
     names = parameter_names(model)
     optimizers = _optimizers_like_the_run(model, settings)
-    muon = {id(p) for opt in optimizers[1:] for g in opt.param_groups for p in g["params"]}
-    sizes = {}
+    # Each parameter's state names: those of the optimizer that steps it (AdamW's moments
+    # and count; Muon's momentum buffer alone).
+    kept = {id(p): state_names(opt) for opt in optimizers for g in opt.param_groups
+            for p in g["params"]}
+    stored = [tuple(md.size) for md in tensors.values()
+              if isinstance(md, TensorStorageMetadata)]
+    flat = all(len(size) == 1 for size in stored)  # manifest version 1
+    sizes: dict[str, tuple[int, ...]] = {}
     for p in model.parameters():
         name = names[id(p)]
-        sizes[model_key(name)] = p.numel()
-        kept = MUON_STATE if id(p) in muon else MOMENTS
-        if state_key(name, kept[0]) in tensors:
-            sizes.update({state_key(name, m): p.numel() for m in kept})
-            if kept == MOMENTS:
-                sizes[state_key(name, "step")] = 1
-    for key, numel in sizes.items():
+        shape = (p.numel(),) if flat else tuple(p.shape)
+        sizes[model_key(name)] = shape
+        moments, counts = kept.get(id(p), ((), ()))
+        if any(state_key(name, what) in tensors for what in (*moments, *counts)):
+            sizes.update({state_key(name, m): shape for m in moments})
+            sizes.update({state_key(name, c): (1,) for c in counts})
+    for key, shape in sizes.items():
         md = tensors.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise UsageError(f"checkpoint {path}: it lacks tensor {key}")
-        if tuple(md.size) != (numel,) or not md.properties.dtype.is_floating_point:
+        if tuple(md.size) != shape or not md.properties.dtype.is_floating_point:
             raise UsageError(f"checkpoint {path}: tensor {key} is {md.properties.dtype} of "
-                             f"{list(md.size)} elements; the model needs a floating tensor of "
-                             f"{numel}")
+                             f"shape {list(md.size)}; the model needs a floating tensor of "
+                             f"shape {list(shape)}")
     _refuse_extra(tensors, sizes, path)
     groups = {"state": {}, "param_groups": small["optimizer_groups"]}
     parts = _check_optimizer_state(groups, optimizers, path)

@@ -42,6 +42,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
             ``--resume``).
     """
     from lab2_trainer.checkpoint.parts import (
+        COUNTS,
         MOMENTS,
         MUON_STATE,
         model_key,
@@ -65,24 +66,28 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     meta = saved_tensors(folder)
     keys = [model_key(n) for n in names.values()]
     keys += [k for n in names.values() for k in
-             [state_key(n, m) for m in (*MOMENTS, "step", *MUON_STATE)] if k in meta]
-    flat = full_tensors(folder, keys)
-    bad = non_finite(flat)  # what --resume refuses is not exported either
+             [state_key(n, what) for what in (*MOMENTS, *MUON_STATE, *COUNTS)] if k in meta]
+    # Each whole (a checkpoint of manifest version 1 holds them flat: viewed in shape).
+    whole = full_tensors(folder, keys)
+    bad = non_finite(whole)  # what --resume refuses is not exported either
     if bad:
         raise UsageError(f"checkpoint {folder} is unusable: {bad}")
     params = dict(model.named_parameters(remove_duplicate=False))
-    model_state = {name: flat[model_key(names[id(p)])].view(p.shape)
+    model_state = {name: whole[model_key(names[id(p)])].view(p.shape)
                    for name, p in params.items()}
     state = {}
     order = [p for g in small["optimizer_groups"] for p in g["params"]]
-    by_number = dict(zip(order, _optimizer_order(model, small)))
+    settings = small["settings"]
+    by_number = dict(zip(order, _optimizer_order(model, settings.get("weight_decay", 0.0),
+                                                 settings.get("optimizer", "adamw"))))
     for number, p in by_number.items():
         name = names[id(p)]
-        if state_key(name, "exp_avg") in flat:
-            state[number] = {**{m: flat[state_key(name, m)].view(p.shape) for m in MOMENTS},
-                             "step": flat[state_key(name, "step")].reshape(())}
-        elif state_key(name, MUON_STATE[0]) in flat:  # Muon's matrices
-            state[number] = {m: flat[state_key(name, m)].view(p.shape) for m in MUON_STATE}
+        entry = {what: whole[state_key(name, what)].view(p.shape)
+                 for what in (*MOMENTS, *MUON_STATE) if state_key(name, what) in whole}
+        entry.update({what: whole[state_key(name, what)].reshape(()) for what in COUNTS
+                      if state_key(name, what) in whole})
+        if entry:
+            state[number] = entry
     body = {k: v for k, v in small.items() if k not in ("format", "version", "checksums",
                                                        "optimizer_groups", "sharded")}
     save_atomic({"format": FILE_FORMAT, "version": FILE_VERSION, **body,
@@ -92,14 +97,39 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     return folder
 
 
-def _optimizer_order(model: torch.nn.Module, small: dict[str, Any]) -> list[torch.Tensor]:
+def _optimizer_order(model: torch.nn.Module, decay: float,
+                     optimizer: str = "adamw") -> list[torch.Tensor]:
     """The parameters in the run's optimizer's order (``parallel.optimizers``: AdamW's
-    groups, and with Muon its groups after them)."""
+    groups, and with ``--optimizer muon`` Muon's after them)."""
     from lab2_trainer.parallel.optimizers import optimizer_order
 
-    settings = small["settings"]
-    return optimizer_order(model, settings.get("weight_decay", 0.0),
-                           settings.get("optimizer", "adamw"))
+    return optimizer_order(model, decay, optimizer)
+
+
+def keyed_state(model: torch.nn.Module, optimizer_state: dict[str, Any],
+                weight_decay: float, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+    """A single-file checkpoint's optimizer state (parameters numbered in the trainer's
+    order, as :func:`export` writes it; ``optimizer``: the run's ``--optimizer``) keyed as
+    a step folder's tensors are, ``optim.<name>.<state>``, each whole: what a rank of a
+    tensor-parallel run takes its part of
+    (:func:`lab2_trainer.checkpoint.parts.load_whole`). ``model`` is the run's, cut or not
+    (its parameters come in the same order and under the same names)."""
+    from lab2_trainer.checkpoint.parts import (
+        COUNTS,
+        MOMENTS,
+        MUON_STATE,
+        parameter_names,
+        state_key,
+    )
+
+    names = parameter_names(model)
+    numbers = [n for g in optimizer_state["param_groups"] for n in g["params"]]
+    out = {}
+    for number, p in zip(numbers, _optimizer_order(model, weight_decay, optimizer)):
+        for what, value in (optimizer_state["state"].get(number) or {}).items():
+            if what in (*MOMENTS, *MUON_STATE, *COUNTS):
+                out[state_key(names[id(p)], what)] = torch.as_tensor(value)
+    return out
 
 
 def check_export_output(out: str | os.PathLike, folder: Path) -> Path:

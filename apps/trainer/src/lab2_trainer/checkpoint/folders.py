@@ -4,7 +4,7 @@ A run keeps its checkpoints under ``<out>/ckpt/``, one folder per saved step
 (``step-000100/``), each holding:
 
 * what ``torch.distributed.checkpoint`` wrote: one ``__<rank>_<n>.distcp`` file per
-  writing rank and ``.metadata`` (which ranges of which tensors are where);
+  writing rank and ``.metadata`` (which boxes of which tensors are where);
 * ``trainer.pt``: the run's small state, the fields of a single-file checkpoint
   (:mod:`lab2_trainer.checkpoint.single_file`) but the tensors of the model and of the optimizer
   (``step``, ``settings``, ``sampler``, ``rng``, ``optimizer_groups``, ...), sealed with
@@ -52,7 +52,11 @@ CKPT_DIR = "ckpt"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
 FORMAT = "lab2-trainer-sharded-checkpoint"
-VERSION = 1
+#: The manifest version written: 2, each tensor stored in its whole shape (1: as its flat
+#: view; :mod:`lab2_trainer.checkpoint.compat` says what reads what).
+VERSION = 2
+#: The manifest versions read.
+READS = (1, 2)
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 #: The largest manifest read (one is a few hundred bytes per file listed).
 MANIFEST_MAX_BYTES = 16 << 20
@@ -128,9 +132,10 @@ def _manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
             or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
                        and isinstance(v.get("crc32"), str) for v in files.values())):
         return None, f"its {MANIFEST} is not a lab2-trainer checkpoint manifest"
-    if body.get("version") != VERSION:
+    version = body.get("version")
+    if isinstance(version, bool) or version not in READS:
         return None, (f"its {MANIFEST} is manifest version {body.get('version')}; this "
-                      f"trainer reads {VERSION}")
+                      f"trainer reads {' and '.join(map(str, READS))}")
     return body, None
 
 

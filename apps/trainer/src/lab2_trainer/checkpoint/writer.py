@@ -50,11 +50,12 @@ from lab2_trainer.checkpoint.folders import (
 )
 from lab2_trainer.checkpoint.parts import (
     Part,
+    Placement,
     model_parts,
     state_holders,
-    state_key,
     state_parts,
     write_parts,
+    write_share,
 )
 from lab2_trainer.runtime.run_folder import WriteFailed, refused_write
 
@@ -76,13 +77,17 @@ class Checkpointer:
         asynchronous: write in the background.
         keep_last: complete checkpoints kept (0: all).
         threads: writer threads (and files) per rank.
+        layout: how tensor parallelism cut the model
+            (:class:`~lab2_trainer.parallel.tensor.TensorLayout`), or None.
     """
 
     def __init__(self, out: str | os.PathLike, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, sharding: str, device: torch.device, *,
-                 asynchronous: bool = True, keep_last: int = 1, threads: int = 8) -> None:
+                 asynchronous: bool = True, keep_last: int = 1, threads: int = 8,
+                 layout: Any = None) -> None:
         self.root = Path(out) / CKPT_DIR
         self.model, self.optimizer, self.sharding = model, optimizer, sharding
+        self.placement = Placement.here(layout)
         self.device = device
         self.asynchronous = asynchronous
         self.keep_last = keep_last
@@ -92,8 +97,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         # DCP's collectives run here, on the writer thread, apart from training's.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[str, torch.Size, torch.dtype]] | None = None
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._pending: list[tuple[tuple[str, tuple[int, ...]], torch.Size,
+                                  torch.dtype]] | None = None
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.stalls: list[float] = []  # seconds training waited, per save
@@ -132,14 +138,12 @@ class Checkpointer:
         the previous save, and the copy (and the write, in the foreground)."""
         start = time.perf_counter()
         self.report(self.wait())
-        parts = []
         # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
-        holders = state_holders(self.model, self.optimizer, self.sharding)
-        for part in model_parts(self.model, self.sharding, self.optimizer) + state_parts(holders):
-            mine = part.to_write(self.rank, self.world_size)
-            if mine is not None:
-                parts.append(mine)
-        staged = self._stage(parts)
+        at = self.placement
+        holders = state_holders(self.model, self.optimizer, self.sharding, at)
+        staged = self._stage(write_share(
+            model_parts(self.model, self.sharding, self.optimizer, at)
+            + state_parts(holders, at)))
         folder = step_folder(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -157,19 +161,17 @@ class Checkpointer:
         self.stalls.append(stall)
         return stall
 
-    def _expected(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        """(key, shape, dtype) of what :meth:`save` will copy on this rank, the optimizer's
-        state included before it exists (its tensors take their parameter's range and
-        dtype)."""
-        expected = model_parts(self.model, self.sharding, self.optimizer)
-        for h in state_holders(self.model, self.optimizer, self.sharding):
+    def _expected(self) -> list[tuple[tuple[str, tuple[int, ...]], torch.Size, torch.dtype]]:
+        """(buffer key, shape, dtype) of what :meth:`save` will copy on this rank, the
+        optimizer's state included before it exists (its tensors of the parameter's shape,
+        each optimizer's own, take their parameter's range and dtype)."""
+        at = self.placement
+        expected = model_parts(self.model, self.sharding, self.optimizer, at)
+        for h in state_holders(self.model, self.optimizer, self.sharding, at):
             local = h.flat(h.tensor)
-            for what in h.tensors:
-                expected.append(Part(state_key(h.name, what), h.numel, h.start,
-                                     torch.empty(local.shape, dtype=local.dtype,
-                                                 device="meta"), replicated=h.replicated))
-        mine = [part.to_write(self.rank, self.world_size) for part in expected]
-        return [(p.key, p.data.shape, p.data.dtype) for p in mine if p is not None]
+            expected += [h.held(what, torch.empty(local.shape, dtype=local.dtype,
+                                                  device="meta"), at) for what in h.tensors]
+        return [(_buffer_key(p), p.data.shape, p.data.dtype) for p in write_share(expected)]
 
     def _stage(self, parts: list[Part]) -> list[Part]:
         """Copies of ``parts`` in CPU memory (pinned on CUDA; buffers reused across saves),
@@ -177,12 +179,12 @@ class Checkpointer:
         staged = []
         pin = self.device.type == "cuda"
         for p in parts:
-            buf = self._buffers.get(p.key)
+            buf = self._buffers.get(_buffer_key(p))
             if buf is None or buf.shape != p.data.shape or buf.dtype != p.data.dtype:
                 buf = torch.empty(p.data.shape, dtype=p.data.dtype, pin_memory=pin)
-                self._buffers[p.key] = buf
+                self._buffers[_buffer_key(p)] = buf
             buf.copy_(p.data.detach(), non_blocking=pin)
-            staged.append(Part(p.key, p.numel, p.start, buf))
+            staged.append(Part(p.key, p.size, p.offsets, buf))
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
         return staged
@@ -240,7 +242,7 @@ class Checkpointer:
                     files.update(theirs)
         if self.rank == 0:
             write_manifest(folder, step, files, world_size=self.world_size,
-                           sharding=self.sharding)
+                           sharding=self.sharding, tp=self.placement.tp)
             prune(self.root, self.keep_last, step)
         self.saved.append(folder)
 
@@ -275,6 +277,11 @@ class Checkpointer:
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def _buffer_key(part: Part) -> tuple[str, tuple[int, ...]]:
+    """Where a part's staged copy is kept between saves: its tensor and its box."""
+    return part.key, part.offsets
 
 
 def empty_folder(folder: Path) -> None:

@@ -7,7 +7,9 @@ never work costs one line and exit code 2:
   (:mod:`lab2_trainer.models.shapes`), so that an absurd size is refused at once;
 * :func:`check_compile`: ``--compile-backend`` and ``--compile-mode`` are torch.compile's;
 * :func:`bf16_supported`: whether the device computes in bf16, which ``--precision`` and
-  ``--compile`` left to the device (``auto``) are chosen by.
+  ``--compile`` left to the device (``auto``) are chosen by;
+* :func:`check_fp8`: ``--precision fp8``'s needs (the shapes, no ``--tp``, a GPU of compute
+  capability 8.9 or later, torchao), by :mod:`lab2_trainer.models.float8`'s rules.
 
 (Paths are checked by :mod:`lab2_trainer.runtime.paths`, a checkpoint's fit by
 :mod:`lab2_trainer.checkpoint.compat`, each setting's own range by its field in
@@ -89,6 +91,28 @@ def check_compile(backend: str, mode: str | None) -> None:
     if mode not in modes:
         raise UsageError(f"--compile-mode {mode!r} is not one of inductor's modes: "
                          f"{', '.join(modes)}")
+
+
+def check_fp8(settings: Any, world_size: int, device_type: str) -> None:
+    """For ``--precision fp8``: the blocks' shapes and a micro-batch's tokens are multiples
+    of 16, no tensor parallelism, every local GPU of compute capability 8.9 or later, and
+    torchao importable (:mod:`lab2_trainer.models.float8`); nothing for other precisions.
+
+    Raises:
+        UsageError: the first that fails, in one line.
+    """
+    if settings.precision != "fp8":
+        return
+    from lab2_trainer.models.float8 import device_problem, run_problem, torchao_problem
+
+    dp = settings.data_parallel_size(world_size)
+    micro = settings.batch_size // dp // settings.grad_accum
+    tokens = micro * settings.model.context_length
+    for problem in (lambda: run_problem(settings.model, tokens, settings.tp),
+                    lambda: device_problem(device_type, world_size), torchao_problem):
+        line = problem()
+        if line is not None:
+            raise UsageError(line)
 
 
 def available_memory() -> int | None:

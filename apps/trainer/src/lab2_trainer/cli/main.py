@@ -178,7 +178,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     from lab2_trainer.checkpoint.compat import check_checkpoint_fits, check_sharded_checkpoint_fits
     from lab2_trainer.checkpoint.folders import has_checkpoint
     from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
-    from lab2_trainer.cli.checks import bf16_supported, check_compile, check_memory
+    from lab2_trainer.cli.checks import bf16_supported, check_compile, check_fp8, check_memory
     from lab2_trainer.data.batches import check_batch_layout
     from lab2_trainer.data.corpus import load_corpus
     from lab2_trainer.runtime.paths import check_input_path, check_out_path, check_path_length
@@ -193,8 +193,6 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
                          "runs/<preset>-<time>)")
     if out is not None:
         check_path_length(out, "--out")
-    if resume is not None and isinstance(explicit.get("tp"), int) and explicit["tp"] > 1:
-        raise UsageError(f"--tp {explicit['tp']} cannot resume from a checkpoint yet")
     if resume is not None:
         if resume:
             check_input_path(resume, "--resume", missing="checkpoint not found")
@@ -259,15 +257,13 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
         raise UsageError(str(exc)) from None
     if ckpt is not None and notes is not None:
         notes += layout_notes(saved, settings, explicit, path)
-    if settings.tp > 1 and notes is not None:
-        notes.append(f"--tp {settings.tp}: checkpoints are not written under tensor "
-                     "parallelism yet; this run ends without one")
     check_out_path(settings.out)
     check_memory(settings, world_size, device_type)
     if settings.compile:
         check_compile(settings.compile_backend, settings.compile_mode)
     check_batch_layout(settings.batch_size, settings.data_parallel_size(world_size),
                        settings.grad_accum)
+    check_fp8(settings, world_size, device_type)
     corpus = load_corpus(settings.data, settings.vocab_size)
     if corpus.vocab_size != settings.model.vocab_size:
         raise UsageError(f"the data has vocabulary {corpus.vocab_size}, the model "
@@ -340,18 +336,23 @@ def resumed_settings(saved: TrainSettings, explicit: dict[str, Any], device_type
     """The settings of a resumed run: every one of the checkpoint's, except those given.
 
     The rank layout (:data:`LAYOUT_FIELDS`) is kept as a whole, or resolved afresh for the
-    new one when any of it is given, the device type differs, or torchrun starts another
-    number of ranks.
+    new one when any of it or another ``--tp`` is given, the device type differs, or
+    torchrun starts another number of ranks.
     """
     keep = {f.name: getattr(saved, f.name) for f in fields(TrainSettings)
             if f.name not in NOT_RESUMED}
     # The checkpoint's precision and compilation are kept as they were chosen, also on
     # another device (resolve_settings); one given is no longer the device's choice.
     keep["auto"] = ",".join(n for n in str(saved.auto).split(",") if n and n not in explicit)
+    # Another --tp is another number of data-parallel ranks: a new layout too (the
+    # checkpoint holds whole tensors, which load at any --tp).
+    new_tp = "tp" in explicit and explicit["tp"] != saved.tp
     new_layout = (any(n in explicit for n in LAYOUT_FIELDS) or device_type != saved.device_type
-                  or (torchrun_world is not None and torchrun_world != saved.nproc))
+                  or (torchrun_world is not None and torchrun_world != saved.nproc) or new_tp)
     if new_layout:
         keep.update({n: None for n in LAYOUT_FIELDS})
+    if new_tp and explicit["tp"] == 1 and "sequence_parallel" not in explicit:
+        keep["sequence_parallel"] = False  # nothing to cut the sequence over
     elif keep["sharding"] == "zero1" and keep["ddp"] not in (None, "none"):
         # A checkpoint of 0.4, where zero1 behind a DDP wrapper was the pairing that is
         # now called zero1-allreduce: continue it as it ran.

@@ -116,9 +116,15 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind)
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``F.dropout`` where it drops something: at rate 0 the graph holds no dropout op."""
-    return F.dropout(x, p, training) if p and training else x
+#: A dropout of ``(x, p, training)``, as ``F.dropout``.
+Dropout = Callable[[torch.Tensor, float, bool], torch.Tensor]
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, drop: Dropout = F.dropout
+             ) -> torch.Tensor:
+    """``drop(x, p, training)`` where it drops something: at rate 0 the graph holds no
+    dropout op."""
+    return drop(x, p, training) if p and training else x
 
 
 def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -251,6 +257,10 @@ class Block(nn.Module):
         self.norm2 = make_norm(config.norm, config.d_model, config.eps)
         self.ffn = FeedForward(config)
         self.dropout = config.dropout
+        self.residual_dropout: Dropout = F.dropout
+        """The dropout of the branch outputs, which join the residual stream: ``F.dropout``,
+        or under sequence parallelism one that draws each rank's own masks for its slice of
+        the stream (set by ``lab2_trainer.parallel.tensor``)."""
         self.checkpointing = "none"
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None
@@ -274,8 +284,10 @@ class Block(nn.Module):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's computation (:meth:`forward` without the checkpoint)."""
         h, x = add_and_norm(self.norm1, x, pending)
-        h, x = add_and_norm(self.norm2, x, _dropout(self.attn(h), self.dropout, self.training))
-        return x, _dropout(self.ffn(h), self.dropout, self.training)
+        drop = self.residual_dropout
+        h, x = add_and_norm(self.norm2, x,
+                            _dropout(self.attn(h), self.dropout, self.training, drop))
+        return x, _dropout(self.ffn(h), self.dropout, self.training, drop)
 
 
 class TransformerLM(nn.Module):
@@ -318,6 +330,10 @@ class TransformerLM(nn.Module):
         """(this rank's slice, slices) of the sequence that the residual stream holds:
         ``(0, 1)``, the whole of it, but under sequence parallelism, where the embedding
         adds the positions of its slice."""
+        self.residual_dropout: Dropout = F.dropout
+        """The embedding's dropout (the blocks have their own attribute of that name):
+        ``F.dropout``, or under sequence parallelism one that draws each rank's own masks
+        for its slice of the sequence."""
         self.sharded_by: str | None = None
         """What has cut the model's matrices in place (tensor parallelism), or None:
         decoding needs the whole model."""
@@ -445,7 +461,8 @@ class TransformerLM(nn.Module):
         ``x * 0`` for that (a new tensor of zeros would record no gradients inside a
         compiled graph); adding them changes no value.
         """
-        x = _dropout(self._embedding(idx, 0), self.config.dropout, self.training)
+        x = _dropout(self._embedding(idx, 0), self.config.dropout, self.training,
+                     self.residual_dropout)
         return x, (x * 0).to(_autocast_dtype(x) or x.dtype)
 
     def _embedding(self, idx: torch.Tensor, start: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ one-rank groups, which the data-parallel families take even alone (a sharded opt
 over one rank).
 
 The trainer makes a mesh only with ``--tp`` > 1: at ``--tp 1`` the data-parallel ranks are
-the world and nothing here runs.
+the world and nothing here runs but :func:`random_seed`, the seed of each rank's default
+random generators (dropout's): one per data-parallel index, the same on every
+tensor-parallel rank of it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ import math
 from collections.abc import Sequence
 
 import torch.distributed as dist
+
+#: 2**64 divided by the golden ratio: the data-parallel indices' seeds lie far apart.
+_SPREAD = 0x9E3779B97F4A7C15
+
+
+def random_seed(seed: int, dp_index: int) -> int:
+    """The seed of a rank's default random generators, what dropout draws from: the run's
+    ``seed`` itself at data-parallel index 0 (one process draws what ``torch.manual_seed``
+    of it draws), a different one at each other index (their micro-batches get masks of
+    their own), and the same on every tensor-parallel rank of an index, which must draw the
+    same masks for the activations they all hold (``minitp.random``)."""
+    return (seed + dp_index * _SPREAD) % 2**64
 
 
 class Mesh:

@@ -1,8 +1,9 @@
 """The data-parallel and sharding choices of a run, applied by one function.
 
 :func:`parallelize` sets up a bare model for training in a fixed order (as torchtitan's
-``parallelize.py`` does): compilation first (each block of the bare model on its own, or
-the whole model: :func:`compile_model`), then the sharding kind's family, which wraps,
+``parallelize.py`` does): the blocks' float8 matrix products first, for ``--precision fp8``
+(:mod:`lab2_trainer.models.float8`), then compilation (each block of the bare model on its
+own, or the whole model: :func:`compile_model`), then the sharding kind's family, which wraps,
 hooks or shards the model and builds the optimizer. It returns that family's
 :class:`Parallel`: what the training step calls (the training forward, ``no_sync()``,
 ``finish()``, ``clip_grad_norm_`` and the optimizer), plus the full (unsharded) model and
@@ -544,7 +545,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
                 bucket_mb: float = 25.0, bucket_rule: str = "reach",
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True, mesh: Mesh | None = None,
-                sequence_parallel: bool = False, muon: MuonSettings | None = None) -> Parallel:
+                sequence_parallel: bool = False, float8: str | None = None,
+                muon: MuonSettings | None = None) -> Parallel:
     """Set ``model`` up for training: the one place that applies parallelism, in a fixed
     order.
 
@@ -552,11 +554,19 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
        model is cut over its tensor-parallel group
        (:func:`~lab2_trainer.parallel.tensor.shard_transformer`, with
        ``sequence_parallel``), and everything after runs over the data-parallel group.
-    1. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
-       is compiled block by block, or whole; everything after wraps or hooks the bare
+    1. Float8: with ``float8`` (a recipe of ``config.FP8_RECIPES``) the blocks'
+       ``nn.Linear`` become torchao's ``Float8Linear``
+       (:func:`lab2_trainer.models.float8.convert_blocks`; emulated off CUDA), keeping
+       their weight ``Parameter`` objects, so everything after sees ordinary parameters:
+       the compiled blocks trace the float8 casts and products, a checkpointed block
+       recomputes them, and the wrappers, zero1's stages and FSDP2 shard plain weights
+       (FSDP2 gathers them in fp32, not float8). Not with tensor parallelism.
+    2. Compilation: with ``compile`` (:func:`compile_model`'s arguments), the bare model
+       (cut, under tensor parallelism: minitp's collectives trace as functional
+       collectives) is compiled block by block, or whole; everything after wraps or hooks the bare
        model's modules and parameters, so the DDP wrappers' and zero1's gradient hooks
        and FSDP2's module hooks still fire around the compiled graphs.
-    2. The family of ``sharding`` (:data:`FAMILIES`) applies itself: a DDP wrapper around
+    3. The family of ``sharding`` (:data:`FAMILIES`) applies itself: a DDP wrapper around
        the compiled module, or (zero, zero3, fsdp) the ranks' models checked to agree
        (``minddp.check_model_consistency``), rank 0's weights broadcast and, for fsdp,
        ``fully_shard`` (for zero3 ``zero1.shard_model``); then the family's optimizer
@@ -577,6 +587,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
             every rank data-parallel.
         sequence_parallel: with tensor parallelism, cut the residual stream along the
             sequence too.
+        float8: the float8 recipe of the blocks' matrix products (``--precision fp8``'s
+            ``--fp8-recipe``), or None: as autocast computes them.
         muon: step the blocks' matrices with Muon, the rest with AdamW
             (:mod:`lab2_trainer.parallel.optimizers`); None: AdamW alone.
     """
@@ -592,9 +604,15 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
     if problem is not None:
         raise ValueError(problem)
     layout = None
-    if mesh is not None and mesh.size("tp") > 1:
-        if compile is not None:
-            raise ValueError("compiling a tensor-parallel model is not supported yet")
+    tensor_parallel = mesh is not None and mesh.size("tp") > 1
+    if float8 is not None:
+        if tensor_parallel:
+            raise ValueError("float8 products with tensor parallelism are not supported yet: "
+                             "the tensor-parallel layers are not nn.Linear")
+        from lab2_trainer.models.float8 import convert_blocks
+
+        convert_blocks(model, float8)
+    if tensor_parallel:
         layout = shard_transformer(model, mesh.group("tp"), sequence_parallel=sequence_parallel)
     elif sequence_parallel:
         raise ValueError("sequence parallelism needs a mesh with more than one "

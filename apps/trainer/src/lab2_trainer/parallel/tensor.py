@@ -52,8 +52,20 @@ the group and each whole parameter once: the global norm of one process.
 **The whole model.** :func:`gather_shards` puts the shards back together (the layout of
 the unsharded model, ``qkv`` included): for the end-of-run sample, and the tests.
 
-Dropout is not supported (minitp tracks no random state: the ranks would draw different
-masks for the same activations), nor decoding from the cut model (the logits are a slice).
+**Dropout** (on the embedding and on each branch output, all of them on the residual
+stream). Without sequence parallelism every rank of the group holds the whole stream and
+draws the same masks from its default generators, which the ranks of a group hold in the
+same state (the loop seeds them per data-parallel index: ``mesh.random_seed``;
+:func:`shard_transformer` checks it with ``minitp.random.check_same_rng``): the run is one
+process's, mask for mask. Under sequence parallelism each rank holds its slice of the
+stream and draws masks of its own for it (``minitp.random.sharded_dropout``: a stream forked
+from the shared one, or compiled, its part of the mask of the whole stream).
+
+**Compilation** (``--compile``, after the cut): minitp's collectives are functional
+collectives under ``torch.compile``, so a compiled block is one graph, its
+input-gradient reductions included.
+
+Decoding from the cut model is not supported (the logits are a slice).
 """
 
 from __future__ import annotations
@@ -80,6 +92,7 @@ from minitp import (
     vocab_parallel_cross_entropy,
 )
 from minitp.mappings import start_all_reduce
+from minitp.random import check_same_rng, sharded_dropout
 
 Group = dist.ProcessGroup | None
 #: One gradient a data-parallel family holds: (parameter name, offset of this piece in the
@@ -134,9 +147,6 @@ def check_shardable(config: ModelConfig, tp: int, sequence_parallel: bool) -> No
     problem = tp_shape_problem(config, tp, sequence_parallel)
     if problem is not None:
         raise ValueError(problem)
-    if config.dropout:
-        raise ValueError("tensor parallelism does not support dropout yet (each rank would "
-                         "draw its own masks)")
 
 
 def shard_transformer(model: TransformerLM, group: Group = None, *,
@@ -185,6 +195,16 @@ def shard_transformer(model: TransformerLM, group: Group = None, *,
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group)
     if sp:
         model.sequence_shard = (rank, tp)
+    if model.config.dropout:
+        # Replicated masks need the ranks' default generators in step; under sequence
+        # parallelism each rank's slice of the stream draws its own (one function for
+        # every block: a compiled block's graph serves them all).
+        check_same_rng(group, model.tok_emb.weight.device)
+        if sp:
+            drop = functools.partial(sharded_dropout, group=group, dim=1)
+            model.residual_dropout = drop
+            for block in model.blocks:
+                block.residual_dropout = drop
     model.sharded_by = f"tensor parallelism over {tp} ranks"
     return layout
 

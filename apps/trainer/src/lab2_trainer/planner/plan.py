@@ -20,7 +20,8 @@ Memory, per GPU, item by item (:func:`memory_items`):
   forward and the matrix products keep the copies for the backward (2 bytes a matrix
   parameter); compiled graphs cast again in the backward instead. A checkpointed block
   keeps none: its copies exist again only while it is recomputed (one block's, beside the
-  LM head's);
+  LM head's). With fp8 the blocks' float8 products keep the fp32 weight itself and cast it
+  again in the backward: the head's copy alone;
 * **activations**: :func:`layer_activation_bytes` per token and layer, times the layers
   and the micro-batch's tokens; the final norm and the logits (:func:`logits_bytes`); with
   ``full`` checkpointing each block keeps only its inputs, and one block's activations
@@ -37,10 +38,13 @@ produces the gradients, so the larger of the two counts. Where the gradients per
 Step time (:func:`step_time`): the hardware FLOPs of the rank's tokens (model FLOPs,
 :func:`lab2_trainer.models.shapes.flops_per_token`'s ``6 N + 12 L d T``, plus the
 recomputed forwards of checkpointing) at a fraction of the GPU's peak measured on one GPU
-(:attr:`Hardware.efficiency`); and the communication of the sharding kind,
-from an alpha-beta model of each collective (ring volumes: all-reduce 2 (N-1)/N bytes,
-reduce-scatter and all-gather (N-1)/N), at NVLink's bandwidth within a node and
-InfiniBand's between nodes. The collectives that run during backward (gradient
+(:attr:`Hardware.efficiency`), with fp8 the blocks' matrix products
+(:func:`float8_flops_per_token`) at that fraction of the float8 peak instead
+(:attr:`Hardware.fp8_peak_tflops`: the casts to float8 are not counted, so an fp8 step's
+prediction is a lower bound that no run has been fitted to yet); and the communication of
+the sharding kind, from an alpha-beta model of each collective (ring volumes: all-reduce
+2 (N-1)/N bytes, reduce-scatter and all-gather (N-1)/N), at NVLink's bandwidth within a
+node and InfiniBand's between nodes. The collectives that run during backward (gradient
 reductions, FSDP's backward gathers) hide behind the backward's compute except the last
 bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
@@ -82,7 +86,9 @@ from lab2_trainer.config import (
     setting,
     tp_shape_problem,
 )
+from lab2_trainer.models.float8 import run_problem
 from lab2_trainer.models.shapes import (
+    block_matmul_parameters,
     checkpoint_bytes,
     flops_per_token,
     muon_parameter_count,
@@ -93,8 +99,9 @@ from lab2_trainer.models.shapes import (
 from lab2_trainer.recipe.muon import OPTIMIZERS, muon_problem
 
 GIB = 1024**3
-#: Bytes per element of each precision's autocast dtype (fp32: no autocast).
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Bytes per element of each precision's autocast dtype (fp32: no autocast; fp8 autocasts
+#: to bf16, and its float8 products keep their bf16 inputs for the backward).
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,9 @@ class Hardware:
     """Usable memory per GPU, GiB (an H200's 141 GB)."""
     peak_tflops: float = setting(989.0, group="machine")
     """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
+    fp8_peak_tflops: float = setting(1979.0, group="machine")
+    """Dense float8 peak per GPU, TFLOP/s (H100/H200 SXM): --precision fp8's block
+    products run at --efficiency of it (the casts to float8 not counted)."""
     efficiency: float = setting(0.53, group="machine")
     """Fraction of the peak the hardware FLOPs reach: fitted to one run measured on one
     H200, whose step-time error is therefore in-sample (the README's planner section lists
@@ -137,7 +147,8 @@ class PlanInput:
         batch_size: global batch in sequences (over all ranks and micro-batches).
         gpus_per_node, nodes: the world is their product.
         grad_accum: micro-batches per step on each rank.
-        precision: "fp32", "bf16" or "fp16" (autocast).
+        precision: "fp32", "bf16", "fp16" (autocast) or "fp8" (bf16, the blocks' matrix
+            products in float8).
         sharding: one of ``SHARDING_KINDS`` (None: the trainer's default, zero1 with more
             than one rank, else none).
         ddp: the gradient-averaging wrapper, one of ``DDP_KINDS`` (None: the trainer's
@@ -196,6 +207,10 @@ class PlanInput:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}; got "
                              f"{self.precision!r}")
         self._check_tp()
+        if self.precision == "fp8":  # the trainer's rule, but a micro-batch's tokens
+            problem = run_problem(self.model, None, self.tp)
+            if problem is not None:
+                raise ValueError(problem)
         self.sharding, self.ddp = default_layout(self.dp, self.sharding, self.ddp)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got "
@@ -361,7 +376,9 @@ def memory_items(p: PlanInput) -> dict[str, float]:
     casts = 0.0
     if half and not p.compile:
         cast = counts["matmul"]
-        if p.activation_checkpointing != "none":
+        if p.precision == "fp8":  # Float8Linear keeps the fp32 weight: the head's copy alone
+            cast -= c.n_layers * counts["block_matmul"]
+        elif p.activation_checkpointing != "none":
             # A checkpointed block's forward saves nothing, its casts included: only the
             # block being recomputed holds its copies, beside the unchecked head's.
             cast -= (c.n_layers - 1) * counts["block_matmul"]
@@ -464,6 +481,14 @@ def _collective(kind: str, nbytes: float, world: int, bandwidth: float, latency:
     return factor * (world - 1) / world * nbytes / bandwidth + calls * latency
 
 
+def float8_flops_per_token(config: ModelConfig, checkpointing: str) -> float:
+    """Hardware FLOPs per token of the products ``--precision fp8`` runs in float8: the
+    blocks' matrices forward and backward (6 a weight), and forward again where ``full``
+    checkpointing recomputes them (2 more)."""
+    recomputed = config.n_layers if checkpointing == "full" else 0
+    return float((6 * config.n_layers + 2 * recomputed) * block_matmul_parameters(config))
+
+
 def step_time(p: PlanInput) -> dict[str, Any]:
     """Compute, communication by collective, exposed communication and the step's time,
     tokens/s, MFU, HFU and scaling efficiency (see the module docstring)."""
@@ -472,6 +497,10 @@ def step_time(p: PlanInput) -> dict[str, Any]:
     tokens_rank = p.batch_size // N * c.context_length  # the tokens of this rank's dp group
     peak = hw.peak_tflops * 1e12
     compute = tokens_rank * hardware_flops / tp / (peak * hw.efficiency)
+    if p.precision == "fp8":  # the blocks' products at the float8 rate instead
+        fp8 = float8_flops_per_token(c, p.activation_checkpointing)
+        compute -= tokens_rank * fp8 / tp * (1 / peak - 1 / (hw.fp8_peak_tflops * 1e12)) \
+            / hw.efficiency
     # The forward is a third of the model's FLOPs; the backward the rest, recompute included.
     forward = compute * (model_flops / 3) / hardware_flops
     backward = compute - forward
@@ -587,7 +616,10 @@ def assumptions(p: PlanInput) -> list[str]:
         "outweigh activations)",
         f"compute at {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s (hardware FLOPs, "
         "recompute included; the default 53% is fitted to xl 32 x 512 compiled on one H200: "
-        "an in-sample figure there, out-of-sample checks in the README)",
+        "an in-sample figure there, out-of-sample checks in the README)"
+        + (f"; fp8: the blocks' matrix products at {hw.efficiency:.0%} of "
+           f"{hw.fp8_peak_tflops:g} TFLOP/s, the casts to float8 not counted (a lower bound "
+           "on the step, fitted to no run yet)" if p.precision == "fp8" else ""),
         f"ring collectives: NVLink {hw.nvlink_gbs:g} GB/s per GPU within a node, "
         f"InfiniBand {hw.ib_gbits:g} Gb/s per GPU between nodes (the slowest link sets a "
         f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",

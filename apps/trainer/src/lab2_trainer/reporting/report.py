@@ -260,7 +260,16 @@ def precision_text(settings: dict[str, Any]) -> str:
 
     compiled = (f"compile {settings.get('compile_scope', 'blocks')}" if settings.get("compile")
                 else "no compile")
-    return f"{settings.get('precision')}{mark('precision')}, {compiled}{mark('compile')}"
+    precision = precision_name(settings.get("precision"), settings.get("fp8_recipe"))
+    return f"{precision}{mark('precision')}, {compiled}{mark('compile')}"
+
+
+def precision_name(precision: Any, fp8_recipe: Any = None) -> str:
+    """The precision as a run shows it: with fp8 its recipe too (``"fp8 (tensorwise)"``;
+    runs saved before the recipe existed show none)."""
+    if precision == "fp8" and fp8_recipe:
+        return f"fp8 ({fp8_recipe})"
+    return str(precision)
 
 
 def ratio_text(ratio: float) -> str:

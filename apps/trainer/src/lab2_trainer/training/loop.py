@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lab2_trainer.checkpoint.export import keyed_state
 from lab2_trainer.checkpoint.folders import load_trainer_state, trainer_state
 from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
-from lab2_trainer.checkpoint.parts import load_folder
+from lab2_trainer.checkpoint.parts import Placement, load_folder, load_whole
 from lab2_trainer.checkpoint.single_file import load_checkpoint, set_rng_state
 from lab2_trainer.checkpoint.writer import Checkpointer
 from lab2_trainer.config import (
@@ -38,7 +39,7 @@ from lab2_trainer.data.corpus import compression_baselines, load_corpus, unigram
 from lab2_trainer.models.activation_checkpointing import selective_kind
 from lab2_trainer.models.shapes import training_flops_per_token
 from lab2_trainer.models.transformer import TransformerLM
-from lab2_trainer.parallel.mesh import Mesh
+from lab2_trainer.parallel.mesh import Mesh, random_seed
 from lab2_trainer.parallel.optimizers import MuonSettings, muon_ns_dtype
 from lab2_trainer.parallel.parallelize import fused_adamw_available, parallelize, warm_compiler
 from lab2_trainer.recipe.schedule import WarmupCosine
@@ -51,6 +52,7 @@ from lab2_trainer.reporting.report import (
     device_peak,
     matmul_parameters,
     mfu,
+    precision_name,
     provenance,
     recompute_flops_per_token,
 )
@@ -138,9 +140,8 @@ class Trainer:
         self.mesh = Mesh.data_tensor(s.tp) if s.tp > 1 else None
         self.data_rank = ((self.mesh.coordinate("dp"), self.mesh.size("dp"))
                           if self.mesh is not None else (ctx.rank, ctx.world_size))
-        # Checkpoints of a tensor-parallel run are not written yet (the settings refuse
-        # --ckpt-every and --resume there): the run ends without one.
-        self.saves_checkpoints = self.mesh is None
+        # Dropout's masks: its own per data-parallel index, the same over a tp group.
+        torch.manual_seed(random_seed(s.seed, self.data_rank[0]))
         check_batch_layout(s.batch_size, self.data_rank[1], s.grad_accum)
         if s.compile:
             # The compiler's worker processes start now, while the data and the model are
@@ -182,9 +183,12 @@ class Trainer:
             bucket_mb=s.bucket_mb, bucket_rule=s.bucket_rule,
             reshard_after_forward=s.reshard_after_forward, mesh=self.mesh,
             sequence_parallel=s.sequence_parallel,
+            float8=s.fp8_recipe if s.precision == "fp8" else None,
             muon=(MuonSettings(s.muon_lr, ns_dtype=muon_ns_dtype(ctx.device))
                   if s.optimizer == "muon" else None))
         self.clock.mark("parallelize")
+        # How tensor parallelism cut the model (None without): what checkpoints map.
+        self.layout = getattr(self.parallel, "layout", None)
         # Evaluation skips the DDP wrapper: no gradients, nothing to average.
         self.eval_module = self.parallel.eval_module
         self.optimizer = self.parallel.optimizer
@@ -199,14 +203,15 @@ class Trainer:
         if sharded:
             # The bucket order first (zero1 rebuilds its buckets), then each rank's part.
             self.set_gradient_order(ckpt.get("gradient_order"))
-            load_folder(resume, self.model, self.optimizer, s.sharding)
+            load_folder(resume, self.model, self.optimizer, s.sharding, self.layout)
         if ckpt is not None:
             self._restore(ckpt)
             self.clock.mark("checkpoint")
         # Every rank, here (it makes the writer's process group).
         self.checkpointer = Checkpointer(s.out, self.model, self.optimizer, s.sharding,
                                          ctx.device, asynchronous=s.ckpt_async,
-                                         keep_last=s.keep_last, threads=s.ckpt_threads)
+                                         keep_last=s.keep_last, threads=s.ckpt_threads,
+                                         layout=self.layout)
         self.clock.mark("checkpoint writer")
         # After the restore, so it starts from the checkpoint's position in the stream.
         self.batches = Prefetcher(self.sampler, *self.data_rank, s.grad_accum, ctx.device)
@@ -222,7 +227,7 @@ class Trainer:
     def _restore(self, ckpt: dict[str, Any]) -> None:
         if not ckpt.get("sharded"):
             try:
-                self.parallel.load_full_optimizer_state(ckpt["optimizer"])
+                self._load_whole_optimizer_state(ckpt)
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise UsageError(f"checkpoint optimizer state does not fit: {exc}") from None
         self.sampler.load_state_dict(ckpt["sampler"])
@@ -231,6 +236,17 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.set_gradient_order(ckpt.get("gradient_order"))
         self.step = int(ckpt["step"])
+
+    def _load_whole_optimizer_state(self, ckpt: dict[str, Any]) -> None:
+        """A single-file checkpoint's optimizer state: loaded by the family, or on a cut
+        model each rank's part of it taken as from a step folder."""
+        if self.layout is None:
+            self.parallel.load_full_optimizer_state(ckpt["optimizer"])
+            return
+        whole = keyed_state(self.model, ckpt["optimizer"], self.s.weight_decay,
+                            self.s.optimizer)
+        load_whole(self.model, self.optimizer, self.s.sharding, whole,
+                   Placement.here(self.layout), only_state=True)
 
     def save_checkpoint(self) -> None:
         """Save a sharded checkpoint of this step: every rank its own part, in the
@@ -288,7 +304,7 @@ class Trainer:
                     # and (after the first step: not during compilation) make some of the
                     # checkpoint's pinned buffers.
                     self.batches.prefetch()
-                    if self.step > start_step and self.saves_checkpoints:
+                    if self.step > start_step:
                         self.checkpointer.make_buffers()
                     self.step += 1
                 if profiler is not None and profiler.due(self.step):
@@ -301,8 +317,7 @@ class Trainer:
                 done = self.step == end
                 first = self.step == start_step + 1  # timed alone: it holds the compilation
                 evaluate_now = done or bool(s.eval_every and self.step % s.eval_every == 0)
-                checkpoint_now = self.saves_checkpoints and (
-                    done or bool(s.ckpt_every and self.step % s.ckpt_every == 0))
+                checkpoint_now = done or bool(s.ckpt_every and self.step % s.ckpt_every == 0)
                 if not (first or evaluate_now or checkpoint_now or self.step % s.log_every == 0):
                     continue
                 records = self._fetch_records(pending, window_start)
@@ -495,7 +510,8 @@ class Trainer:
         checkpointing = ("" if s.activation_checkpointing == "none" else
                          f", activation checkpointing {self._checkpointing_label()}")
         return (f"{ranks}, {backend}, {ctx.device.type}, {ddp}, {opt}, "
-                f"norm={s.model.norm}, {s.precision}{self._compile_label()}{checkpointing}")
+                f"norm={s.model.norm}, {precision_name(s.precision, s.fp8_recipe)}"
+                f"{self._compile_label()}{checkpointing}")
 
     def _checkpointing_label(self) -> str:
         kind = self.s.activation_checkpointing
