@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lab2_trainer.recipe.defaults import EMBED_SCALE
-from lab2_trainer.recipe.muon import OPTIMIZERS, default_muon_lr, muon_problem
+from lab2_trainer.recipe.muon import MUON_LR, OPTIMIZERS, default_muon_lr, muon_problem
 from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
 
@@ -397,7 +397,7 @@ class TrainSettings:
                              default_text="adamw (muon in tiny)")
     """adamw, or muon: zero1.Muon for the blocks' matrices, AdamW for the embeddings, the head
     and the vectors (lab2_trainer.recipe.muon)."""
-    muon_lr: float | None = setting(None, group="optimisation", default_text="0.05")
+    muon_lr: float | None = setting(None, group="optimisation", default_text=f"{MUON_LR:g}")
     """Muon's peak learning rate (--optimizer muon), on --lr's warm-up and cosine."""
     precision: str = setting(AUTO, choices=(AUTO, *PRECISIONS), group="optimisation",
                              default_text="auto: bf16 on a CUDA device with bf16, else fp32")

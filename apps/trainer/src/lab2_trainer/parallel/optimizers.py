@@ -4,8 +4,9 @@ and why), built by every sharding family through :func:`build`.
 
 With Muon the run has two optimizers, each made by the family as it makes AdamW alone
 (plain, zero1's ``ShardedOptimizer`` or ``Stage3Optimizer``, PyTorch's
-``ZeroRedundancyOptimizer``): zero1 steps each Muon matrix whole on one owner rank. The
-step sees them as one, :class:`MuonWithAdamW`:
+``ZeroRedundancyOptimizer``): zero1's stages step each Muon matrix whole on one owner
+rank, and the broadcasting kinds (zero1-allreduce, ZeroRedundancyOptimizer) give each rank
+whole parameters anyway. The step sees the two as one, :class:`MuonWithAdamW`:
 
 * ``param_groups``: AdamW's (the matrices that decay, here the LM head; then the vectors
   and tables), then Muon's (the blocks' matrices); the state dict numbers the parameters
