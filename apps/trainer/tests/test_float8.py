@@ -31,6 +31,7 @@ from lab2_trainer.models.float8 import (
 from lab2_trainer.models.shapes import parameter_counts
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.parallelize import parallelize
+from lab2_trainer.planner.layout import recommend
 from lab2_trainer.planner.plan import PlanInput, memory_items, plan
 from lab2_trainer.reporting.report import precision_text
 from lab2_trainer.runtime.launch import DistContext
@@ -179,6 +180,10 @@ def test_the_planner_runs_the_blocks_products_at_the_float8_peak():
     with pytest.raises(ValueError, match="--tp 2 is not supported"):
         PlanInput(model_config("large"), batch_size=32, gpus_per_node=2, tp=2,
                   precision="fp8").validate()
+    # --recommend weighs no tensor-parallel layout for fp8.
+    rows = recommend(PlanInput(model_config("large"), batch_size=64, gpus_per_node=4,
+                               precision="fp8"))["rows"]
+    assert rows and {r["tp"] for r in rows} == {1}
 
 
 def test_the_run_shows_the_recipe_beside_the_precision():
