@@ -32,7 +32,7 @@ from lab2_trainer.models.shapes import parameter_counts
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.parallelize import parallelize
 from lab2_trainer.planner.layout import recommend
-from lab2_trainer.planner.plan import PlanInput, memory_items, plan
+from lab2_trainer.planner.plan import Hardware, PlanInput, memory_items, plan
 from lab2_trainer.reporting.report import precision_text
 from lab2_trainer.runtime.launch import DistContext
 from lab2_trainer.training.loop import Trainer
@@ -161,13 +161,23 @@ def test_lab2_train_refuses_fp8_in_one_line_before_any_rank(capsys, monkeypatch,
 
 
 # ------------------------------------------------------------- planner and labels
-def test_the_planner_runs_the_blocks_products_at_the_float8_peak():
-    config = model_config("xl")
-    bf16, fp8 = (plan(PlanInput(config, batch_size=32, precision=p, compile=True))
+def test_the_planner_runs_the_blocks_products_at_the_float8_rate():
+    # The run --fp8-efficiency was fitted to: xl 16 x 512 (vocabulary 10000) tensorwise,
+    # compiled, on one H100, 1.16x bf16's tokens/s (in-sample by construction).
+    config = model_config("xl", vocab_size=10000)
+    bf16, fp8 = (plan(PlanInput(config, batch_size=16, precision=p, compile=True))
                  for p in ("bf16", "fp8"))
     ratio = fp8["time"]["tokens_per_s"] / bf16["time"]["tokens_per_s"]
-    assert 1.5 < ratio < 2  # most FLOPs are the blocks' products; attention and head stay
+    assert ratio == pytest.approx(1.16, abs=0.01)
     assert any("fp8: the blocks' matrix products" in a for a in fp8["assumptions"])
+    # At the float8 peak itself (no casts, no scales) the blocks' products run twice as
+    # fast: the speed-up nears 2x, short of it by attention's and the head's share.
+    ideal = plan(PlanInput(config, batch_size=16, precision="fp8", compile=True,
+                           hardware=Hardware(fp8_efficiency=Hardware().efficiency)))
+    assert 1.8 < ideal["time"]["tokens_per_s"] / bf16["time"]["tokens_per_s"] < 2
+    with pytest.raises(ValueError, match="--fp8-efficiency must be in"):
+        PlanInput(config, batch_size=16, hardware=Hardware(fp8_efficiency=1.5)).validate()
+    config = model_config("xl")
     # Eager fp8 keeps the fp32 weight for the backward: the head's bf16 copy alone.
     eager = {p: memory_items(PlanInput(config, batch_size=8, precision=p,
                                        compile=False).validate())
