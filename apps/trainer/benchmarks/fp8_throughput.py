@@ -24,9 +24,10 @@ Without uv, with the sources on the path::
         python3 apps/trainer/benchmarks/fp8_throughput.py --preset xl --batch-size 32
 
 The planner's predictions for the same runs are printed beside the measurements
-(``lab2-train plan --precision fp8``: the float8 peak for the blocks' products, casts not
-counted). ``--device cpu`` runs the micro model with torchao's float8 emulation: the
-plumbing only, no meaningful times.
+(``lab2-train plan --precision fp8``: the blocks' products at ``--fp8-efficiency`` of the
+float8 peak, fitted to one tensorwise run; it models no recipe, so both get one figure).
+``--device cpu`` runs the micro model with torchao's float8 emulation: the plumbing only,
+no meaningful times.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def test_fp8_throughput_interleaves_the_precisions_on_the_cpu(tmp_path):
                                                           "bf16#2"]
     ratios = {r["config"]["variant"]: r["metrics"] for r in records}
     assert ratios["bf16"]["ratio"] == 1 and ratios["bf16"]["predicted_ratio"] == 1
-    # The planner counts the blocks' products at the float8 peak: faster, at most 2x.
+    # The planner counts the blocks' products at the float8 rate: faster, at most 2x.
     assert 1 < ratios["tensorwise"]["predicted_ratio"] < 2
     assert "A/A control bf16#2" in done.stdout
 

@@ -31,10 +31,12 @@ from lab2_trainer.models.float8 import (
 from lab2_trainer.models.shapes import parameter_counts
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.parallelize import parallelize
-from lab2_trainer.planner.plan import PlanInput, memory_items, plan
+from lab2_trainer.planner.layout import recommend
+from lab2_trainer.planner.plan import Hardware, PlanInput, memory_items, plan
 from lab2_trainer.reporting.report import precision_text
 from lab2_trainer.runtime.launch import DistContext
 from lab2_trainer.training.loop import Trainer
+from lab2_trainer.training.step import backward_thread
 
 torch.set_num_threads(1)
 Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
@@ -83,18 +85,19 @@ def test_a_float8_model_has_nn_linears_state_dict_both_ways():
     assert all(torch.equal(fp8.state_dict()[k], v) for k, v in other.state_dict().items())
 
 
-def test_parallelize_converts_before_compiling():
+def test_parallelize_converts_the_bare_model_and_its_optimizer_steps_the_same_weights():
+    # Compiled and checkpointed too: test_float8_numerics.py's training (compiling here would
+    # leave autograd's threads started in this process, where later tests fork ranks).
     model = TransformerLM(small(), seed=0, activation_checkpointing="selective")
     p = parallelize(model, sharding="none", ddp="none", device=torch.device("cpu"), lr=1e-3,
-                    betas=(0.9, 0.95), weight_decay=0.1, float8="rowwise",
-                    compile={"backend": "aot_eager", "scope": "blocks"})
-    assert len(float8_modules(p.model)) == 10 and p.model.regions_compiled
+                    betas=(0.9, 0.95), weight_decay=0.1, float8="rowwise")
+    assert len(float8_modules(p.model)) == 10
     assert {id(q) for g in p.optimizer.param_groups for q in g["params"]} == \
         {id(q) for q in model.parameters()}
     x = torch.randint(0, 64, (2, 16))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with backward_thread("caller"), torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss = p(x, x)
-    loss.backward()
+        loss.backward()
     assert all(q.grad is not None and torch.isfinite(q.grad).all() for q in model.parameters()
                if q.requires_grad)
 
@@ -158,13 +161,23 @@ def test_lab2_train_refuses_fp8_in_one_line_before_any_rank(capsys, monkeypatch,
 
 
 # ------------------------------------------------------------- planner and labels
-def test_the_planner_runs_the_blocks_products_at_the_float8_peak():
-    config = model_config("xl")
-    bf16, fp8 = (plan(PlanInput(config, batch_size=32, precision=p, compile=True))
+def test_the_planner_runs_the_blocks_products_at_the_float8_rate():
+    # The run --fp8-efficiency was fitted to: xl 16 x 512 (vocabulary 10000) tensorwise,
+    # compiled, on one H100, 1.16x bf16's tokens/s (in-sample by construction).
+    config = model_config("xl", vocab_size=10000)
+    bf16, fp8 = (plan(PlanInput(config, batch_size=16, precision=p, compile=True))
                  for p in ("bf16", "fp8"))
     ratio = fp8["time"]["tokens_per_s"] / bf16["time"]["tokens_per_s"]
-    assert 1.5 < ratio < 2  # most FLOPs are the blocks' products; attention and head stay
+    assert ratio == pytest.approx(1.16, abs=0.01)
     assert any("fp8: the blocks' matrix products" in a for a in fp8["assumptions"])
+    # At the float8 peak itself (no casts, no scales) the blocks' products run twice as
+    # fast: the speed-up nears 2x, short of it by attention's and the head's share.
+    ideal = plan(PlanInput(config, batch_size=16, precision="fp8", compile=True,
+                           hardware=Hardware(fp8_efficiency=Hardware().efficiency)))
+    assert 1.8 < ideal["time"]["tokens_per_s"] / bf16["time"]["tokens_per_s"] < 2
+    with pytest.raises(ValueError, match="--fp8-efficiency must be in"):
+        PlanInput(config, batch_size=16, hardware=Hardware(fp8_efficiency=1.5)).validate()
+    config = model_config("xl")
     # Eager fp8 keeps the fp32 weight for the backward: the head's bf16 copy alone.
     eager = {p: memory_items(PlanInput(config, batch_size=8, precision=p,
                                        compile=False).validate())
@@ -177,6 +190,10 @@ def test_the_planner_runs_the_blocks_products_at_the_float8_peak():
     with pytest.raises(ValueError, match="--tp 2 is not supported"):
         PlanInput(model_config("large"), batch_size=32, gpus_per_node=2, tp=2,
                   precision="fp8").validate()
+    # --recommend weighs no tensor-parallel layout for fp8.
+    rows = recommend(PlanInput(model_config("large"), batch_size=64, gpus_per_node=4,
+                               precision="fp8"))["rows"]
+    assert rows and {r["tp"] for r in rows} == {1}
 
 
 def test_the_run_shows_the_recipe_beside_the_precision():

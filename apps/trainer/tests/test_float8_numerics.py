@@ -33,10 +33,11 @@ from hypothesis import strategies as st
 
 from lab2_testing.tn_numerics import rel_err
 from lab2_trainer.config import ModelConfig, TrainSettings, model_config
-from lab2_trainer.models.float8 import MIN_CAPABILITY, convert_blocks
+from lab2_trainer.models.float8 import MIN_CAPABILITY, convert_blocks, float8_modules
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.runtime.launch import DistContext
 from lab2_trainer.training.loop import Trainer
+from lab2_trainer.training.step import backward_thread
 
 torch.set_num_threads(1)
 
@@ -79,7 +80,8 @@ def forward_backward(model: TransformerLM, x: torch.Tensor, y: torch.Tensor,
         logits, loss = model(x, y)
     hook.remove()
     model.zero_grad(set_to_none=True)
-    loss.backward()
+    with backward_thread("caller"):  # as the trainer runs it (and later tests fork safely)
+        loss.backward()
     stream, pending = captured["out"]
     result = {"logits": logits, "blocks": stream.double() + pending.double() - embedded.double()}
     result.update({name: p.grad for name, p in model.named_parameters()})
@@ -155,8 +157,9 @@ def test_float8_training_follows_bf16_with_compilation_and_checkpointing(device,
     for name, extra in runs.items():
         out = tmp_path / name
         trainer = Trainer(train_settings(corpus_dir, out, device, **extra), ctx)
-        if name != "bf16":
+        if name != "bf16":  # converted first, then compiled
             assert trainer.model.regions_compiled
+            assert len(float8_modules(trainer.model)) == 5 * trainer.s.model.n_layers
         summary = trainer.run()
         loss[name], val[name] = last_losses(out), summary["final_val_loss"]
         torch._dynamo.reset()

@@ -126,7 +126,7 @@ def _edited_step(run: Path, tmp_path: Path, edit) -> Path:
     (["--steps", "nan"], "argument --steps: invalid int value: 'nan'"),
     (["--steps", "1.5"], "argument --steps: invalid int value: '1.5'"),
     (["--frobnicate", "3"], "unrecognized arguments: --frobnicate 3"),
-    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    (["--precision", "fp4"], "argument --precision: invalid choice: 'fp4'"),
 ], ids=["nan", "fraction", "unknown-flag", "bad-choice"])
 def test_1_argparse_errors_are_one_line_naming_the_flag(tmp_path, extra, fragment):
     refused([*B, *extra], tmp_path / "case", fragment, "--help")

@@ -9,6 +9,9 @@ rest, under every sharding family that runs it.
   norms, the final weights and the whole optimizer state (Muon's momentum buffers and
   AdamW's moments, consolidated) equal one process's on the full batch to float64
   rounding, with the schedule setting both learning rates every step.
+* A zero1 checkpoint of 2-4 ranks (each matrix's momentum written whole by its owner rank)
+  loads on one process bit for bit, which then continues exactly as one given the ranks'
+  state in memory, and as the uninterrupted run to float64 rounding.
 * The trainer's loop (float32): stopping and resuming a muon run under zero1, zero2,
   zero3, zero1-allreduce and torch changes nothing, bit for bit; checkpoints move between
   one process and the ranks, and through ``lab2-train export``, continuing the
@@ -19,6 +22,7 @@ One set of ranks per world size runs the steps; the tests read its results.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -27,6 +31,7 @@ import torch
 
 from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
+from lab2_testing.lm import random_windows
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -63,32 +68,28 @@ VARIANTS = [
 ]
 
 
-def build(kind: str) -> TransformerLM:
-    return TransformerLM(ModelConfig(**SHAPE, **MODELS[kind]), seed=0).to(torch.float64)
+def build(kind: str, seed: int = 0) -> TransformerLM:
+    return TransformerLM(ModelConfig(**SHAPE, **MODELS[kind]), seed=seed).to(torch.float64)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        window = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["context_length"] + 1),
-                               generator=gen)
-        out.append((window[:, :-1], window[:, 1:]))
-    return out
+    return random_windows(STEPS, BATCH, SHAPE["vocab_size"], SHAPE["context_length"])
 
 
-def set_up(kind: str, sharding: str, ddp: str):
-    return parallelize(build(kind), sharding=sharding, ddp=ddp, device=CPU, lr=LR,
+def set_up(kind: str, sharding: str, ddp: str, seed: int = 0):
+    return parallelize(build(kind, seed), sharding=sharding, ddp=ddp, device=CPU, lr=LR,
                        betas=(0.9, 0.95), weight_decay=0.1, bucket_mb=0.001,
                        muon=MuonSettings(MUON_LR, ns_dtype=None))
 
 
-def train(parallel, rank: int, world: int, accum: int, clip: float):
-    """STEPS steps on this rank's slice of each global batch, the schedule setting both
-    learning rates; (losses, norms, whole weights, whole optimizer state on rank 0)."""
+def train(parallel, rank: int, world: int, accum: int, clip: float, steps=range(STEPS)):
+    """``steps`` (all STEPS by default) on this rank's slice of each global batch, the
+    schedule setting both learning rates; (losses, norms, whole weights, whole optimizer
+    state on rank 0)."""
     schedule = WarmupCosine(LR, LR / 10, 1, STEPS)
     losses, norms = [], []
-    for step, (x, y) in enumerate(batches()):
+    for step in steps:
+        x, y = batches()[step]
         per = BATCH // world
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         micro = per // accum
@@ -159,6 +160,101 @@ def test_muon_steps_match_one_process_on_the_full_batch(world_size):
         assert len(muon) == MATRICES[kind]
         assert all(entry.keys() == {"momentum_buffer"} for entry in muon)
         assert groups[2]["lr"] == pytest.approx(groups[0]["lr"] * MUON_LR / LR)
+
+
+# ---------------------------------------- a zero1 checkpoint of the ranks on one process
+SAVED_AT = 2  # steps before the save; the rest of STEPS after it
+
+
+def save_folder(parallel, out: str, rank: int) -> str:
+    """Every rank its boxes of the model and of both optimizers' state, in the
+    foreground, as step SAVED_AT of a run in ``out``; returns the step folder."""
+    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
+    from lab2_trainer.checkpoint.writer import Checkpointer
+    from zero1.checkpoint import pack_param_groups
+
+    settings = TrainSettings(model=ModelConfig(**SHAPE, **MODELS["swiglu"]), lr=LR,
+                             weight_decay=0.1, optimizer="muon", muon_lr=MUON_LR)
+    small = {"format": FORMAT, "version": VERSION, "sharded": True,
+             "model_config": settings.model.to_dict(), "settings": settings.to_dict(),
+             "optimizer_groups": pack_param_groups(parallel.optimizer.param_groups),
+             "schedule": {}, "step": SAVED_AT, "sampler": {"seed": 0, "draws": SAVED_AT},
+             "data": {}, "rng": rng_state(CPU), "scaler": None, "world_size": 1,
+             "gradient_order": None}
+    writer = Checkpointer(out, parallel.model, parallel.optimizer, parallel.sharding, CPU,
+                          asynchronous=False, keep_last=0)
+    writer.save(SAVED_AT, small if rank == 0 else None)
+    writer.finish()
+    # What the writer expects to copy (the buffers made ahead on CUDA), each optimizer's
+    # state names included, is what the save copied (AdamW's counts are made at the save).
+    staged = {key: (buf.shape, buf.dtype) for key, buf in writer._buffers.items()
+              if not key[0].endswith(".step")}
+    assert staged == {key: (shape, dtype) for key, shape, dtype in writer._expected()}
+    return f"{out}/ckpt/step-{SAVED_AT:06d}"
+
+
+def state_tensors(optim: dict) -> dict[str, torch.Tensor]:
+    """An optimizer state dict's tensors, keyed ``<parameter number>.<state name>``."""
+    return {f"{i}.{what}": t for i, entry in optim["state"].items() for what, t in entry.items()}
+
+
+def _zero1_save_rank(rank, world_size, out):
+    """zero1 on the ranks: SAVED_AT steps, a checkpoint, the rest. Returns the ranges of
+    Muon's state this rank saved ((key, start, elements, the parameter's elements)), and
+    on rank 0 the whole model and optimizer state at the save and at the end."""
+    from lab2_trainer.checkpoint.parts import MUON_STATE, state_holders, state_parts
+
+    parallel = set_up("swiglu", "zero1", "none")
+    train(parallel, rank, world_size, 1, CLIP, range(SAVED_AT))
+    holders = [h for h in state_holders(parallel.model, parallel.optimizer, "zero1")
+               if h.tensors == MUON_STATE]
+    sizes = {name: p.numel() for name, p in parallel.model.named_parameters()}
+    muon = [(r.key, r.start, r.data.numel(), sizes[r.key.split(".", 1)[1].rsplit(".", 1)[0]])
+            for r in state_parts(holders)]
+    save_folder(parallel, out, rank)
+    # Copies: the live tensors step on.
+    saved = copy.deepcopy((parallel.full_model_state(rank), parallel.full_optimizer_state(rank)))
+    *_, model, optim = train(parallel, rank, world_size, 1, CLIP, range(SAVED_AT, STEPS))
+    return muon, saved, (model, optim)
+
+
+def test_a_zero1_checkpoint_of_the_ranks_continues_on_one_process(world_size, tmp_path):
+    if world_size == 1:
+        pytest.skip("a checkpoint of several ranks")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lab2_trainer.checkpoint.parts import load_into, saved_tensors
+
+    out = tmp_path / "zero1"
+    per_rank = run_ranks(_zero1_save_rank, world_size, str(out), timeout=300)
+    # Muon's state: each matrix's momentum whole on one rank (its owner), every rank one.
+    kept = [key for muon, *_ in per_rank for key, *_ in muon]
+    assert len(kept) == len(set(kept)) == MATRICES["swiglu"]
+    assert all(key.endswith(".momentum_buffer") for key in kept)
+    for muon, *_ in per_rank:
+        assert muon and all(start == 0 and n == whole for _, start, n, whole in muon)
+    _, (model_at_save, optim_at_save), (model_end, optim_end) = per_rank[0]
+    folder = str(out / "ckpt" / f"step-{SAVED_AT:06d}")
+    # One process, other weights to start from: everything it steps with is loaded.
+    one = set_up("swiglu", "none", "none", seed=7)
+    load_into(one.model, one.optimizer, "none", FileSystemReader(folder),
+              set(saved_tensors(folder)))
+    # (The groups' rates are the schedule's, set before each step: not a checkpoint's.)
+    assert bitwise_equal(model_at_save, one.full_model_state(0))
+    assert bitwise_equal(state_tensors(optim_at_save), state_tensors(one.full_optimizer_state(0)))
+    # ... and one given the ranks' state in memory: the same steps, bit for bit.
+    given = set_up("swiglu", "none", "none", seed=7)
+    given.model.load_state_dict(model_at_save)
+    given.load_full_optimizer_state(optim_at_save)
+    *_, model, optim = train(one, 0, 1, 1, CLIP, range(SAVED_AT, STEPS))
+    *_, model_given, optim_given = train(given, 0, 1, 1, CLIP, range(SAVED_AT, STEPS))
+    assert bitwise_equal(model_given, model)
+    assert bitwise_equal(state_tensors(optim_given), state_tensors(optim))
+    # The uninterrupted runs, on the ranks and on one process: float64 rounding apart.
+    _, _, ref_model, ref_optim = reference("swiglu", CLIP)
+    for whole_model, whole_optim in ((model_end, optim_end), (ref_model, ref_optim)):
+        assert relative_error(whole_model, model) < 1e-11
+        assert state_error(whole_optim, optim) < 1e-10
 
 
 # ------------------------------------------------------------------- the trainer's loop

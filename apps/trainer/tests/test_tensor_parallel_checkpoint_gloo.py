@@ -37,6 +37,7 @@ import torch
 
 from lab2_testing.ddp_testkit import relative_error
 from lab2_testing.dist import run_ranks
+from lab2_testing.lm import random_windows
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -101,13 +102,7 @@ def set_up(kind: str, sharding: str, tp: int, sp: bool, seed: int = 0):
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        window = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["context_length"] + 1),
-                               generator=gen)
-        out.append((window[:, :-1], window[:, 1:]))
-    return out
+    return random_windows(STEPS, BATCH, SHAPE["vocab_size"], SHAPE["context_length"])
 
 
 def data_rank(parallel) -> tuple[int, int]:

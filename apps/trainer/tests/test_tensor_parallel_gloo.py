@@ -33,6 +33,7 @@ import torch
 
 from lab2_testing.ddp_testkit import relative_error
 from lab2_testing.dist import run_ranks
+from lab2_testing.lm import random_windows
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.mesh import Mesh
@@ -91,13 +92,7 @@ def build(kind: str) -> TransformerLM:
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        window = torch.randint(0, SHAPE["vocab_size"], (BATCH, SHAPE["context_length"] + 1),
-                               generator=gen)
-        out.append((window[:, :-1], window[:, 1:]))
-    return out
+    return random_windows(STEPS, BATCH, SHAPE["vocab_size"], SHAPE["context_length"])
 
 
 def set_up(kind: str, sharding: str, ddp: str, mesh: Mesh | None, sp: bool = False,

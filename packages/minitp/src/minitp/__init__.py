@@ -52,7 +52,7 @@ from minitp.plan import (
 from minitp.random import check_same_rng, sharded_dropout, sharded_rng
 from minitp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ColumnParallelLinear",

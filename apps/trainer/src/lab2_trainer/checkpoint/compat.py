@@ -77,18 +77,19 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from lab2_trainer.checkpoint.parts import (
-        COUNTS,
-        KEPT,
-        MOMENTS,
         model_key,
         parameter_names,
         state_key,
+        state_names,
     )
 
     model = shape_model(settings.model)
     names = parameter_names(model)
     optimizers = _optimizers_like_the_run(model, settings)
-    muon = {id(p) for opt in optimizers[1:] for g in opt.param_groups for p in g["params"]}
+    # Each parameter's state names: those of the optimizer that steps it (AdamW's moments
+    # and count; Muon's momentum buffer alone).
+    kept = {id(p): state_names(opt) for opt in optimizers for g in opt.param_groups
+            for p in g["params"]}
     stored = [tuple(md.size) for md in tensors.values()
               if isinstance(md, TensorStorageMetadata)]
     flat = all(len(size) == 1 for size in stored)  # manifest version 1
@@ -97,10 +98,10 @@ def check_sharded_checkpoint_fits(small: dict[str, Any], tensors: dict[str, Any]
         name = names[id(p)]
         shape = (p.numel(),) if flat else tuple(p.shape)
         sizes[model_key(name)] = shape
-        kept = KEPT["Muon" if id(p) in muon else "AdamW"]  # its optimizer's state
-        if any(state_key(name, what) in tensors for what in (*MOMENTS, *COUNTS)):
-            sizes.update({state_key(name, m): shape for m in MOMENTS if m in kept})
-            sizes.update({state_key(name, c): (1,) for c in COUNTS if c in kept})
+        moments, counts = kept.get(id(p), ((), ()))
+        if any(state_key(name, what) in tensors for what in (*moments, *counts)):
+            sizes.update({state_key(name, m): shape for m in moments})
+            sizes.update({state_key(name, c): (1,) for c in counts})
     for key, shape in sizes.items():
         md = tensors.get(key)
         if not isinstance(md, TensorStorageMetadata):

@@ -44,6 +44,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     from lab2_trainer.checkpoint.parts import (
         COUNTS,
         MOMENTS,
+        MUON_STATE,
         model_key,
         parameter_names,
         state_key,
@@ -65,7 +66,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     meta = saved_tensors(folder)
     keys = [model_key(n) for n in names.values()]
     keys += [k for n in names.values() for k in
-             [state_key(n, what) for what in (*MOMENTS, *COUNTS)] if k in meta]
+             [state_key(n, what) for what in (*MOMENTS, *MUON_STATE, *COUNTS)] if k in meta]
     # Each whole (a checkpoint of manifest version 1 holds them flat: viewed in shape).
     whole = full_tensors(folder, keys)
     bad = non_finite(whole)  # what --resume refuses is not exported either
@@ -76,13 +77,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
                    for name, p in params.items()}
     state = {}
     order = [p for g in small["optimizer_groups"] for p in g["params"]]
-    decay = small["settings"].get("weight_decay", 0.0)
-    kind = small["settings"].get("optimizer", "adamw")
-    by_number = dict(zip(order, _optimizer_order(model, decay, kind)))
+    settings = small["settings"]
+    by_number = dict(zip(order, _optimizer_order(model, settings.get("weight_decay", 0.0),
+                                                 settings.get("optimizer", "adamw"))))
     for number, p in by_number.items():
         name = names[id(p)]
-        entry = {what: whole[state_key(name, what)].view(p.shape) for what in MOMENTS
-                 if state_key(name, what) in whole}
+        entry = {what: whole[state_key(name, what)].view(p.shape)
+                 for what in (*MOMENTS, *MUON_STATE) if state_key(name, what) in whole}
         entry.update({what: whole[state_key(name, what)].reshape(()) for what in COUNTS
                       if state_key(name, what) in whole})
         if entry:
@@ -99,27 +100,34 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
 def _optimizer_order(model: torch.nn.Module, decay: float,
                      optimizer: str = "adamw") -> list[torch.Tensor]:
     """The parameters in the run's optimizer's order (``parallel.optimizers``: AdamW's
-    groups, and with Muon its groups after them)."""
+    groups, and with ``--optimizer muon`` Muon's after them)."""
     from lab2_trainer.parallel.optimizers import optimizer_order
 
     return optimizer_order(model, decay, optimizer)
 
 
 def keyed_state(model: torch.nn.Module, optimizer_state: dict[str, Any],
-                weight_decay: float) -> dict[str, torch.Tensor]:
+                weight_decay: float, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
     """A single-file checkpoint's optimizer state (parameters numbered in the trainer's
-    order, as :func:`export` writes it) keyed as a step folder's tensors are,
-    ``optim.<name>.<state>``, each whole: what a rank of a tensor-parallel run takes its
-    part of (:func:`lab2_trainer.checkpoint.parts.load_whole`). ``model`` is the run's,
-    cut or not (its parameters come in the same order and under the same names)."""
-    from lab2_trainer.checkpoint.parts import COUNTS, MOMENTS, parameter_names, state_key
+    order, as :func:`export` writes it; ``optimizer``: the run's ``--optimizer``) keyed as
+    a step folder's tensors are, ``optim.<name>.<state>``, each whole: what a rank of a
+    tensor-parallel run takes its part of
+    (:func:`lab2_trainer.checkpoint.parts.load_whole`). ``model`` is the run's, cut or not
+    (its parameters come in the same order and under the same names)."""
+    from lab2_trainer.checkpoint.parts import (
+        COUNTS,
+        MOMENTS,
+        MUON_STATE,
+        parameter_names,
+        state_key,
+    )
 
     names = parameter_names(model)
     numbers = [n for g in optimizer_state["param_groups"] for n in g["params"]]
     out = {}
-    for number, p in zip(numbers, _optimizer_order(model, weight_decay)):
+    for number, p in zip(numbers, _optimizer_order(model, weight_decay, optimizer)):
         for what, value in (optimizer_state["state"].get(number) or {}).items():
-            if what in MOMENTS or what in COUNTS:
+            if what in (*MOMENTS, *MUON_STATE, *COUNTS):
                 out[state_key(names[id(p)], what)] = torch.as_tensor(value)
     return out
 

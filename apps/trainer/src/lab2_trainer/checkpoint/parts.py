@@ -6,10 +6,14 @@ model, ``blocks.0.attn.qkv.weight``), the whole tensor in the shape it has at ``
 
 * ``model.<name>``: the parameter;
 * ``optim.<name>.<state>``: each of the optimizer's per-parameter tensors of the
-  parameter's shape (:data:`MOMENTS`: AdamW's ``exp_avg`` and ``exp_avg_sq``, Muon's
-  ``momentum_buffer`` under ``--optimizer muon``, each matrix whole on its owner rank under
-  zero1's kinds);
-* ``optim.<name>.step``: each per-parameter count (:data:`COUNTS`), one element.
+  parameter's shape (:data:`MOMENTS`: AdamW's ``exp_avg`` and ``exp_avg_sq``;
+  :data:`MUON_STATE`: Muon's ``momentum_buffer``, with ``--optimizer muon`` for the
+  blocks' matrices);
+* ``optim.<name>.step``: each per-parameter count (:data:`COUNTS`: AdamW's; Muon keeps
+  none), one element.
+
+Which of these a parameter has is its optimizer's (:func:`state_names`): with Muon and
+AdamW, each parameter has the names of the one that steps it.
 
 A rank holds of each a *local* tensor (the whole one, or under tensor parallelism its
 shard: :class:`~lab2_trainer.checkpoint.boxes.Cut`), and of that contiguous ranges of its
@@ -17,16 +21,20 @@ flat view, so every rank describes what it holds as :class:`Range`\\ s
 ``(key, local shape, start, local 1-D tensor, cut, copies)``:
 
 * a replicated tensor (the model under none, zero1, zero2, zero1-allreduce and torch;
-  AdamW's state under none) is whole on every data-parallel rank: on save each of the
-  ranks holding it writes an equal slice of it (the writes run in parallel, no rank
-  writes everything); on load each rank reads it whole;
+  the optimizer's state under none, Muon's as AdamW's) is whole on every data-parallel
+  rank: on save each of the ranks holding it writes an equal slice of it (the writes run
+  in parallel, no rank writes everything); on load each rank reads it whole;
 * zero1 and zero2's flat bucket shards cut across parameters: each piece a rank steps is
   a contiguous range of its parameter (:class:`zero1.flat.Piece`, ``start``);
 * zero1-allreduce and torch (ZeroRedundancyOptimizer) give whole parameters' state to one
   rank each;
 * fsdp's ``Shard(0)`` DTensors hold contiguous rows, a contiguous flat range;
 * zero1's stage 3 (``zero1.shard_model`` and ``Stage3Optimizer``, "zero3") keeps each
-  parameter's values and state in the same pieces of its units' flat shards.
+  parameter's values and state in the same pieces of its units' flat shards;
+* Muon needs whole matrices: zero1, zero2 and zero3 step each of Muon's matrices whole
+  on one owner rank (``zero1.whole_params``), which keeps its ``momentum_buffer`` whole,
+  a range from 0, as zero1-allreduce and torch do (under zero3 the values stay in the
+  units' pieces).
 
 Under tensor parallelism (``--tp`` > 1, the ranks a dp x tp mesh) each kind acts over the
 data-parallel ranks on the rank's shards; a parameter tensor parallelism leaves whole
@@ -79,19 +87,19 @@ from lab2_trainer.config import UsageError
 from lab2_trainer.runtime.paths import open_regular
 
 #: The optimizer's per-parameter tensors of the parameter's shape (cut and sharded as the
-#: parameter is), by their names in its state: AdamW's moments, Muon's momentum.
-MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+#: parameter is), by their names in its state.
+MOMENTS = ("exp_avg", "exp_avg_sq")
 #: The optimizer's per-parameter counts: one element each, written by one rank.
 COUNTS = ("step",)
-#: What each optimizer keeps of them per parameter (zero1's Muon and torch.optim.Muon count
-#: no steps).
-KEPT = {"AdamW": ("exp_avg", "exp_avg_sq", "step"), "Muon": ("momentum_buffer",)}
+#: Muon's (zero1.Muon, torch.optim.Muon) per-parameter tensors: one momentum buffer of the
+#: parameter's shape, and no count.
+MUON_STATE = ("momentum_buffer",)
 
 
-def kept_state(optimizer: Any) -> tuple[str, ...]:
-    """The per-parameter state (:data:`MOMENTS` and :data:`COUNTS`) ``optimizer`` keeps:
-    Muon's, else AdamW's."""
-    return KEPT.get(type(optimizer).__name__, KEPT["AdamW"])
+def state_names(optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensors of the parameter's shape, counts) that ``optimizer`` keeps per parameter:
+    Muon's (:data:`MUON_STATE`, none), else AdamW's (:data:`MOMENTS`, :data:`COUNTS`)."""
+    return (MUON_STATE, ()) if type(optimizer).__name__ == "Muon" else (MOMENTS, COUNTS)
 
 
 def model_key(name: str) -> str:
@@ -239,7 +247,7 @@ class StateHolder:
         tensor: what the optimizer keys the state by (the parameter, a DTensor, or a
             zero1 piece).
         optimizer: the optimizer that holds the state (a sharded one's local optimizer).
-        replicated: every data-parallel rank keeps the same whole state (plain AdamW
+        replicated: every data-parallel rank keeps the same whole state (a plain optimizer
             under "none").
     """
 
@@ -249,6 +257,16 @@ class StateHolder:
     tensor: torch.Tensor
     optimizer: torch.optim.Optimizer
     replicated: bool = False
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The state's tensors of the parameter's shape that its optimizer keeps."""
+        return state_names(self.optimizer)[0]
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        """The state's counts that its optimizer keeps (one element each)."""
+        return state_names(self.optimizer)[1]
 
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """A state tensor's local data, 1-D."""
@@ -289,19 +307,20 @@ def _rank_and_size() -> tuple[int, int]:
 def model_parts(model: torch.nn.Module, sharding: str,
                 optimizer: torch.optim.Optimizer | None = None,
                 placement: Placement | None = None) -> list[Range]:
-    """This rank's ranges of the model's parameters (with "zero3", each parameter's piece of
-    its unit's shard, whichever optimizer steps it; ``placement``: :meth:`Placement.here`
-    by default; ``optimizer`` is not needed)."""
+    """This rank's ranges of the model's parameters (with "zero3", each parameter's piece
+    of its unit's shard, whichever optimizer steps it: ``optimizer`` is not needed;
+    ``placement``: :meth:`Placement.here` by default)."""
     at = placement if placement is not None else Placement.here()
     names = parameter_names(model)
-    if sharding == "zero3":  # each parameter's piece of its unit's shard, whoever steps it
+    if sharding == "zero3":  # Muon's pieces are whole matrices on their owners: not these
         from zero1.stage3_optimizer import piece_of
 
         out = []
-        for piece in filter(None, map(piece_of, model.parameters())):
-            name = names[id(piece.param)]
-            out.append(at.held(model_key(name), name, piece.param.shape, piece.start,
-                                piece.local.detach().reshape(-1)))
+        for piece in map(piece_of, model.parameters()):
+            if piece is not None:
+                name = names[id(piece.param)]
+                out.append(at.held(model_key(name), name, piece.param.shape, piece.start,
+                                    piece.local.detach().reshape(-1)))
         return out
     ranges = []
     for name, p in model.named_parameters():
@@ -322,10 +341,10 @@ def state_holders(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   sharding: str, placement: Placement | None = None) -> list[StateHolder]:
     """Where this rank keeps optimizer state, whatever the kind (with Muon, both
     optimizers')."""
+    at = placement if placement is not None else Placement.here()
     if hasattr(optimizer, "optimizers"):  # Muon with AdamW: each keeps its own
         return [h for opt in optimizer.optimizers
-                for h in state_holders(model, opt, sharding, placement)]
-    at = placement if placement is not None else Placement.here()
+                for h in state_holders(model, opt, sharding, at)]
     names = parameter_names(model)
     if sharding in ("zero1", "zero2", "zero1-allreduce", "zero3"):
         local = optimizer.local_optimizer
@@ -354,10 +373,10 @@ def state_parts(holders: list[StateHolder], placement: Placement | None = None) 
         state = h.optimizer.state.get(h.tensor)
         if not state:
             continue
-        moments = [h.held(what, state[what], at) for what in MOMENTS if what in state]
+        moments = [h.held(what, state[what], at) for what in h.tensors if what in state]
         ranges += moments
         if moments and moments[0].writes_first():
-            for what in COUNTS:
+            for what in h.counts:
                 if what in state:
                     count = state[what]
                     if not isinstance(count, torch.Tensor):
@@ -597,8 +616,8 @@ def _targets(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding:
     ranges = model_parts(model, sharding, optimizer, at)
     fresh: list[tuple[StateHolder, dict[str, torch.Tensor]]] = []
     for h in state_holders(model, optimizer, sharding, at):
-        moments = [m for m in MOMENTS if saved(state_key(h.name, m))]
-        counts = [c for c in COUNTS if saved(state_key(h.name, c))]
+        moments = [m for m in h.tensors if saved(state_key(h.name, m))]
+        counts = [c for c in h.counts if saved(state_key(h.name, c))]
         if not moments and not counts:
             continue
         state = {m: torch.zeros_like(h.tensor, memory_format=torch.contiguous_format)

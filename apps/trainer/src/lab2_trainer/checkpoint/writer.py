@@ -49,10 +49,8 @@ from lab2_trainer.checkpoint.folders import (
     write_manifest,
 )
 from lab2_trainer.checkpoint.parts import (
-    MOMENTS,
     Part,
     Placement,
-    kept_state,
     model_parts,
     state_holders,
     state_parts,
@@ -165,15 +163,14 @@ class Checkpointer:
 
     def _expected(self) -> list[tuple[tuple[str, tuple[int, ...]], torch.Size, torch.dtype]]:
         """(buffer key, shape, dtype) of what :meth:`save` will copy on this rank, the
-        optimizer's state included before it exists (its moments take their parameter's
-        range and dtype)."""
+        optimizer's state included before it exists (its tensors of the parameter's shape,
+        each optimizer's own, take their parameter's range and dtype)."""
         at = self.placement
         expected = model_parts(self.model, self.sharding, self.optimizer, at)
         for h in state_holders(self.model, self.optimizer, self.sharding, at):
             local = h.flat(h.tensor)
             expected += [h.held(what, torch.empty(local.shape, dtype=local.dtype,
-                                                  device="meta"), at)
-                         for what in MOMENTS if what in kept_state(h.optimizer)]
+                                                  device="meta"), at) for what in h.tensors]
         return [(_buffer_key(p), p.data.shape, p.data.dtype) for p in write_share(expected)]
 
     def _stage(self, parts: list[Part]) -> list[Part]:

@@ -7,7 +7,7 @@ compilation of the plan it starts from, and varies:
 
 * ``tp``: every divisor of ``gpus_per_node`` that divides the heads, the feed-forward width
   and the vocabulary (a tensor-parallel group stays in a node), with and without sequence
-  parallelism;
+  parallelism; 1 alone with ``--precision fp8``;
 * the sharding kind over the dp ranks: none, zero1, zero2, zero3, fsdp (the kinds with a
   DDP wrapper, ``zero1-allreduce`` and ``torch``, move more bytes than zero1 for the same
   memory);
@@ -34,8 +34,10 @@ KINDS = ("none", "zero1", "zero2", "zero3", "fsdp")
 
 
 def tp_choices(p: PlanInput) -> list[int]:
-    """Tensor-parallel sizes that a plan of ``p``'s model and machine can take."""
-    return [t for t in range(1, p.gpus_per_node + 1)
+    """Tensor-parallel sizes that a plan of ``p``'s model and machine can take (1 alone with
+    fp8, whose float8 products the tensor-parallel layers do not run)."""
+    largest = 1 if p.precision == "fp8" else p.gpus_per_node
+    return [t for t in range(1, largest + 1)
             if p.gpus_per_node % t == 0 and tp_shape_problem(p.model, t, False) is None
             and p.batch_size % (p.world_size // t) == 0]
 

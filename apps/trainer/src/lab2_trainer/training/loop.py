@@ -243,7 +243,8 @@ class Trainer:
         if self.layout is None:
             self.parallel.load_full_optimizer_state(ckpt["optimizer"])
             return
-        whole = keyed_state(self.model, ckpt["optimizer"], self.s.weight_decay)
+        whole = keyed_state(self.model, ckpt["optimizer"], self.s.weight_decay,
+                            self.s.optimizer)
         load_whole(self.model, self.optimizer, self.s.sharding, whole,
                    Placement.here(self.layout), only_state=True)
 
