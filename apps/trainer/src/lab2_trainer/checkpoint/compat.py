@@ -238,31 +238,36 @@ def _check_adamw_content(state_dict: dict[str, Any], groups: list[dict[str, Any]
             if saved.get(key, False) is not False:
                 raise UsageError(f"{where}: {key}={saved[key]!r}; the trainer's AdamW runs "
                                  f"with {key}=False")
+    for i, j, param, entry in _saved_entries(state_dict, groups):
+        where = f"checkpoint {path}: optimizer state of parameter {j} in param group {i}"
+        if set(entry) != set(ADAMW_STATE):
+            raise UsageError(f"{where} holds {', '.join(sorted(map(str, entry)))}; AdamW's "
+                             f"is {', '.join(sorted(ADAMW_STATE))}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = entry[key]
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() \
+                    or t.shape != param.shape:
+                what = (f"a {t.dtype} tensor of shape {list(t.shape)}"
+                        if isinstance(t, torch.Tensor) else f"a {type(t).__name__}")
+                raise UsageError(f"{where}: {key} is {what}; it must be a floating tensor "
+                                 f"of the parameter's shape {list(param.shape)}")
+        step = entry["step"]
+        if isinstance(step, torch.Tensor):
+            step = step.item() if step.numel() == 1 and not step.is_complex() else None
+        if not _is_real(step) or step < 0:
+            raise UsageError(f"{where}: step must be one finite number >= 0, got "
+                             f"{entry['step']!r}")
+
+
+def _saved_entries(state_dict: dict[str, Any], groups: list[dict[str, Any]]):
+    """Each saved per-parameter state beside the run's parameter: ``(group index, index in
+    the group, parameter, saved entry)``, skipping parameters not stepped yet."""
     state = state_dict["state"]
     for i, (ours, saved) in enumerate(zip(groups, state_dict["param_groups"])):
         for j, (param, saved_id) in enumerate(zip(ours["params"], saved["params"])):
             entry = state.get(saved_id)
-            if not entry:
-                continue
-            where = f"checkpoint {path}: optimizer state of parameter {j} in param group {i}"
-            if set(entry) != set(ADAMW_STATE):
-                raise UsageError(f"{where} holds {', '.join(sorted(map(str, entry)))}; AdamW's "
-                                 f"is {', '.join(sorted(ADAMW_STATE))}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                t = entry[key]
-                if not isinstance(t, torch.Tensor) or not t.is_floating_point() \
-                        or t.shape != param.shape:
-                    what = (f"a {t.dtype} tensor of shape {list(t.shape)}"
-                            if isinstance(t, torch.Tensor) else f"a {type(t).__name__}")
-                    raise UsageError(f"{where}: {key} is {what}; it must be a floating tensor "
-                                     f"of the parameter's shape {list(param.shape)}")
-            step = entry["step"]
-            if isinstance(step, torch.Tensor):
-                step = step.item() if step.numel() == 1 and not step.is_complex() else None
-            if not _is_real(step) or step < 0:
-                raise UsageError(f"{where}: step must be one finite number >= 0, got "
-                                 f"{entry['step']!r}")
-
+            if entry:
+                yield i, j, param, entry
 
 def _check_muon_content(state_dict: dict[str, Any], groups: list[dict[str, Any]],
                         settings: Any, path: Any) -> None:
@@ -286,18 +291,13 @@ def _check_muon_content(state_dict: dict[str, Any], groups: list[dict[str, Any]]
         if saved.get("weight_decay") != settings.weight_decay:
             raise UsageError(f"{where}: weight_decay {saved.get('weight_decay')!r} differs "
                              f"from the run's {settings.weight_decay!r}")
-    state = state_dict["state"]
-    for i, (ours, saved) in enumerate(zip(groups, state_dict["param_groups"])):
-        for j, (param, saved_id) in enumerate(zip(ours["params"], saved["params"])):
-            entry = state.get(saved_id)
-            if not entry:
-                continue
-            where = f"checkpoint {path}: Muon's state of parameter {j} in its group {i}"
-            t = entry.get("momentum_buffer") if isinstance(entry, dict) else None
-            if set(entry) != {"momentum_buffer"} or not isinstance(t, torch.Tensor) \
-                    or not t.is_floating_point() or t.shape != param.shape:
-                raise UsageError(f"{where} must be a floating momentum_buffer of the "
-                                 f"parameter's shape {list(param.shape)} alone")
+    for i, j, param, entry in _saved_entries(state_dict, groups):
+        where = f"checkpoint {path}: Muon's state of parameter {j} in its group {i}"
+        t = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+        if set(entry) != {"momentum_buffer"} or not isinstance(t, torch.Tensor) \
+                or not t.is_floating_point() or t.shape != param.shape:
+            raise UsageError(f"{where} must be a floating momentum_buffer of the "
+                             f"parameter's shape {list(param.shape)} alone")
 
 
 def _check_gradient_order(order: Any, count: int, path: Any) -> None:
