@@ -32,6 +32,7 @@ import torch
 from lab2_testing.ddp_testkit import bitwise_equal, relative_error
 from lab2_testing.dist import run_ranks
 from lab2_testing.lm import random_windows
+from lab2_testing.trainer_state import bare_trainer_state
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -169,18 +170,11 @@ SAVED_AT = 2  # steps before the save; the rest of STEPS after it
 def save_folder(parallel, out: str, rank: int) -> str:
     """Every rank its boxes of the model and of both optimizers' state, in the
     foreground, as step SAVED_AT of a run in ``out``; returns the step folder."""
-    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
     from lab2_trainer.checkpoint.writer import Checkpointer
-    from zero1.checkpoint import pack_param_groups
 
     settings = TrainSettings(model=ModelConfig(**SHAPE, **MODELS["swiglu"]), lr=LR,
                              weight_decay=0.1, optimizer="muon", muon_lr=MUON_LR)
-    small = {"format": FORMAT, "version": VERSION, "sharded": True,
-             "model_config": settings.model.to_dict(), "settings": settings.to_dict(),
-             "optimizer_groups": pack_param_groups(parallel.optimizer.param_groups),
-             "schedule": {}, "step": SAVED_AT, "sampler": {"seed": 0, "draws": SAVED_AT},
-             "data": {}, "rng": rng_state(CPU), "scaler": None, "world_size": 1,
-             "gradient_order": None}
+    small = bare_trainer_state(settings, parallel.optimizer, SAVED_AT)
     writer = Checkpointer(out, parallel.model, parallel.optimizer, parallel.sharding, CPU,
                           asynchronous=False, keep_last=0)
     writer.save(SAVED_AT, small if rank == 0 else None)

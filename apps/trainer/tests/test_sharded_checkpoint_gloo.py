@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lab2_testing.dist import run_ranks
+from lab2_testing.trainer_state import bare_trainer_state
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.runtime.launch import DistContext
@@ -125,11 +126,9 @@ def _zero3_rank(rank, world_size, out):
 
     import zero1
     from lab2_trainer.checkpoint.parts import load_into, saved_tensors
-    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
     from lab2_trainer.checkpoint.writer import Checkpointer
     from lab2_trainer.models.transformer import TransformerLM
     from lab2_trainer.parallel.parallelize import param_groups
-    from zero1.checkpoint import pack_param_groups
 
     s = settings("unused", out, "none")
 
@@ -150,12 +149,7 @@ def _zero3_rank(rank, world_size, out):
         model(x, x)[1].backward()
         opt.step()
         opt.zero_grad()
-    small = {"format": FORMAT, "version": VERSION, "sharded": True,
-             "model_config": s.model.to_dict(), "settings": s.to_dict(),
-             "optimizer_groups": pack_param_groups(opt.param_groups), "schedule": {},
-             "step": 2, "sampler": {"seed": 0, "draws": 2}, "data": {}, "rng": rng_state(
-                 torch.device("cpu")), "scaler": None, "world_size": world_size,
-             "gradient_order": None}
+    small = bare_trainer_state(s, opt, 2, world_size)
     writer = Checkpointer(out, model, opt, "zero3", torch.device("cpu"), keep_last=0)
     writer.save(2, small if rank == 0 else None)
     writer.finish()

@@ -38,6 +38,7 @@ import torch
 from lab2_testing.ddp_testkit import relative_error
 from lab2_testing.dist import run_ranks
 from lab2_testing.lm import random_windows
+from lab2_testing.trainer_state import bare_trainer_state
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -137,17 +138,10 @@ def placement(parallel):
 
 def save(parallel, kind: str, out: str, rank: int) -> None:
     """Every rank its boxes, into ``<out>/ckpt/step-000002``, in the foreground."""
-    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
     from lab2_trainer.checkpoint.writer import Checkpointer
-    from zero1.checkpoint import pack_param_groups
 
     settings = TrainSettings(model=config(kind), weight_decay=0.1)
-    small = {"format": FORMAT, "version": VERSION, "sharded": True,
-             "model_config": settings.model.to_dict(), "settings": settings.to_dict(),
-             "optimizer_groups": pack_param_groups(parallel.optimizer.param_groups),
-             "schedule": {}, "step": SAVED_AT, "sampler": {"seed": 0, "draws": SAVED_AT},
-             "data": {}, "rng": rng_state(CPU), "scaler": None, "world_size": 1,
-             "gradient_order": None}
+    small = bare_trainer_state(settings, parallel.optimizer, SAVED_AT)
     writer = Checkpointer(out, parallel.model, parallel.optimizer, parallel.sharding, CPU,
                           asynchronous=False, keep_last=0,
                           layout=getattr(parallel, "layout", None))

@@ -1,0 +1,24 @@
+"""The trainer's own state (``trainer.pt`` of a step folder) for tests that save a model
+and optimizer through the real ``Checkpointer`` without running the training loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def bare_trainer_state(settings: Any, optimizer: torch.optim.Optimizer, step: int,
+                       world_size: int = 1) -> dict[str, Any]:
+    """What ``checkpoint.folders`` writes beside the parts, for a run at ``step`` with
+    ``settings`` and ``optimizer``: an empty schedule and corpus identity, the sampler at
+    ``step`` draws, the CPU's random state, no scaler and no learned gradient order."""
+    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
+    from zero1.checkpoint import pack_param_groups
+
+    return {"format": FORMAT, "version": VERSION, "sharded": True,
+            "model_config": settings.model.to_dict(), "settings": settings.to_dict(),
+            "optimizer_groups": pack_param_groups(optimizer.param_groups), "schedule": {},
+            "step": step, "sampler": {"seed": 0, "draws": step}, "data": {},
+            "rng": rng_state(torch.device("cpu")), "scaler": None, "world_size": world_size,
+            "gradient_order": None}
