@@ -247,6 +247,11 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
     times.add_column("exposed ms", justify="right")
     times.add_row("compute (forward + backward + recompute)", f"{t['compute_s'] * 1e3:,.1f}",
                   f"{t['compute_s'] * 1e3:,.1f}")
+    muon = t.get("muon")
+    if muon is not None:
+        times.add_row(f"Muon's Newton-Schulz ({muon['newton_schulz_flops'] / 1e12:,.1f} TFLOP "
+                      "on the slowest rank)", f"{t['newton_schulz_s'] * 1e3:,.1f}",
+                      f"{t['newton_schulz_s'] * 1e3:,.1f}")
     for name, comm in t["communication"].items():
         times.add_row(f"{name} ({comm['bytes'] / GIB:,.2f} GiB, hides behind "
                       f"{comm['hides_behind']})", f"{comm['seconds'] * 1e3:,.1f}",
@@ -256,6 +261,13 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
     console.print(f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per "
                   f"GPU), MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}, scaling efficiency "
                   f"{t['scaling_efficiency']:.1%}; link: {t['link']}")
+    if muon is not None:
+        owned = ("every rank steps all of them" if muon["owner_ranks"] == 1 else
+                 f"each on one of {muon['owner_ranks']} owner ranks, the busiest's "
+                 f"{muon['elements'] / 1e6:,.1f} M elements counted")
+        console.print(f"Muon's Newton-Schulz: {t['newton_schulz_s'] * 1e3:,.1f} ms of the "
+                      f"step ({muon['share_of_step']:.0%}; {muon['matrices']} matrices, "
+                      f"{owned})")
     ck = result["checkpoint_bytes"]
     console.print(f"checkpoint: {ck['total'] / 1e9:,.1f} GB a save; each rank copies its "
                   f"{ck['per_rank'] / 1e9:,.1f} GB to CPU memory and writes it; no rank "

@@ -48,7 +48,11 @@ node and InfiniBand's between nodes. The collectives that run during backward (g
 reductions, FSDP's backward gathers) hide behind the backward's compute except the last
 bucket's; those after the step (zero1's and ZeroRedundancyOptimizer's parameter
 gathers) are exposed; FSDP's forward gathers hide behind the forward except the first
-block's. The exposed part is reported.
+block's. The exposed part is reported. With ``--optimizer muon``
+(:mod:`lab2_trainer.planner.muon`) the step adds the Newton-Schulz iterations of the
+matrices the slowest rank steps (all of them, or under zero1's and the broadcasting kinds
+its owned share) at the same efficiency, and under zero1's stages the two all-to-alls that
+carry each matrix whole to its owner and its new values back, exposed.
 
 **Tensor parallelism** (``tp`` > 1, minitp's layers): the ranks are dp x tp, the tp ranks of
 a group within one node. Each rank holds 1/tp of every block matrix, of the token table and
@@ -96,6 +100,7 @@ from lab2_trainer.models.shapes import (
     rank_parameter_counts,
     training_state_parts,
 )
+from lab2_trainer.planner.muon import muon_step
 from lab2_trainer.recipe.muon import OPTIMIZERS, muon_problem
 
 GIB = 1024**3
@@ -479,10 +484,12 @@ def largest_micro_batch(p: PlanInput, limit: int = 1 << 16) -> int:
 def _collective(kind: str, nbytes: float, world: int, bandwidth: float, latency: float,
                 calls: int) -> float:
     """Seconds of one collective kind over ``nbytes`` per rank, cut into ``calls`` calls:
-    ring volumes at ``bandwidth`` bytes/s plus ``latency`` seconds a call."""
+    ring volumes at ``bandwidth`` bytes/s plus ``latency`` seconds a call (an all-to-all's
+    rank sends and receives the (N-1)/N of its ``nbytes`` that other ranks hold)."""
     if world == 1 or nbytes == 0:
         return 0.0
-    factor = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0}[kind]
+    factor = {"all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 1.0,
+              "all-to-all": 1.0}[kind]
     return factor * (world - 1) / world * nbytes / bandwidth + calls * latency
 
 
@@ -573,6 +580,12 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             add("backward all-gather", "all-gather", gathers * blocks_bytes,
                 gathers * c.n_layers, "backward")
         add("gradient reduce-scatter", "reduce-scatter", grad_bytes, blocks, "backward")
+    muon = muon_step(c, s, N) if p.optimizer == "muon" else None
+    # Muon's iterations (bf16 on a GPU, at the model's efficiency) and its exchanges run in
+    # the step, after the backward: nothing hides them (planner.muon).
+    newton_schulz = muon.flops / (peak * hw.efficiency) if muon else 0.0
+    for name, nbytes, _ in muon.exchanges if muon else ():
+        add(name, "all-to-all", nbytes, 1, "none")
     budget = {"forward": forward * hw.overlap, "backward": backward * hw.overlap,
               **{k: v * hw.overlap for k, v in budget_extra.items()}}
     exposed = 0.0
@@ -591,18 +604,23 @@ def step_time(p: PlanInput) -> dict[str, Any]:
             budget[where] -= hidden
             comm["exposed"] = t - hidden
         exposed += comm["exposed"]
-    step = compute + exposed
+    step = compute + newton_schulz + exposed
     tokens = p.batch_size * c.context_length
     tokens_per_s = tokens / step if step > 0 else math.inf  # a step too fast for a float
     return {
         "compute_s": compute, "forward_s": forward, "backward_s": backward,
+        "newton_schulz_s": newton_schulz,
+        "muon": None if muon is None else {
+            "matrices": muon.matrices, "owner_ranks": N if muon.owners else 1,
+            "newton_schulz_flops": muon.flops, "elements": muon.elements,
+            "share_of_step": newton_schulz / step if step > 0 else math.nan},
         "communication": comms,
         "communication_s": sum(x["seconds"] for x in comms.values()),
         "exposed_communication_s": exposed, "step_s": step, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / p.world_size,
         "mfu": tokens_per_s * model_flops / (peak * p.world_size),
         "hfu": tokens_per_s * hardware_flops / (peak * p.world_size),
-        "scaling_efficiency": compute / step if step > 0 else math.nan,
+        "scaling_efficiency": (compute + newton_schulz) / step if step > 0 else math.nan,
         "model_flops_per_token": model_flops, "hardware_flops_per_token": hardware_flops,
         "link": ("InfiniBand" if inter else "NVLink") + f", {bandwidth / 1e9:g} GB/s",
     }
@@ -631,6 +649,12 @@ def assumptions(p: PlanInput) -> list[str]:
         f"ring's pace); {hw.latency_intra_us:g} / {hw.latency_inter_us:g} us a call",
         f"gradient reductions hide behind {hw.overlap:.0%} of the backward except the last "
         "bucket; post-step parameter gathers are exposed",
+        *(["Muon: five Newton-Schulz iterations a matrix, 5 (4 m^2 n + 2 m^3) FLOPs for m x n "
+           "(m <= n), in bf16 at the compute's efficiency, on the rank with the most (each "
+           "matrix on one owner under zero1, zero2, zero3, zero1-allreduce and torch, largest "
+           "first onto the least-loaded rank); zero1's stages move each owner's matrices in "
+           "and out by two exposed all-to-alls; AdamW's and Muon's elementwise updates are "
+           "not timed"] if p.optimizer == "muon" else []),
         f"workspace {hw.workspace_gib:g} GiB, allocator reserve {hw.fragmentation:.0%}, "
         f"CUDA context {hw.context_gib:g} GiB; {hw.gpu_memory_gib:g} GiB usable per GPU",
     ]
