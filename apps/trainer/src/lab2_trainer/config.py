@@ -171,10 +171,12 @@ class ModelConfig:
     dropout: float = setting(0.0, group="model")
     """Dropout rate on the embedding and each attention and feed-forward output in training
     (0: none); 0.1 did not help medium (docs/benchmarks/2026-12-05-h100-quality.md)."""
-    rope: bool = setting(False, group="model")
-    """Rotary positions on q and k (base 10000) instead of the learned position table."""
-    qk_norm: bool = setting(False, group="model")
-    """RMS-normalise q and k of each head (no weight) before attention."""
+    rope: bool = setting(True, group="model")
+    """Rotary positions on q and k (base 10000) instead of the learned position table
+    (``--no-rope``: the table; lab2_trainer.recipe.defaults says why rope is the default)."""
+    qk_norm: bool = setting(True, group="model")
+    """RMS-normalise q and k of each head (no weight) before attention (``--no-qk-norm``:
+    plain attention)."""
     zero_init_proj: bool = setting(False, group="model")
     """Initialise attention's ``proj`` and the feed-forward's ``w2`` to zero."""
     logit_softcap: float = setting(0.0, group="model")
@@ -202,7 +204,9 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
                              "(each head needs d_model / n_heads dimensions)")
         if self.rope and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head width, got {self.head_dim}")
+            raise ValueError(f"rope needs an even head width, got {self.head_dim} "
+                             f"(d_model {self.d_model} / n_heads {self.n_heads}): choose "
+                             "another n_heads, or pass --no-rope for learned positions")
         return self
 
     @property
@@ -233,8 +237,9 @@ class ModelConfig:
 
 
 #: What a saved model configuration that lacks a field was trained with: models saved
-#: before ``embed_scale`` existed had no embedding multiplier.
-BEFORE_FIELDS: dict[str, Any] = {"embed_scale": 1.0}
+#: before ``embed_scale`` existed had no embedding multiplier, and those saved before
+#: ``rope`` and ``qk_norm`` existed had learned positions and plain attention.
+BEFORE_FIELDS: dict[str, Any] = {"embed_scale": 1.0, "rope": False, "qk_norm": False}
 
 
 # The course handout's sizes, plus `tiny` (below the byte-unigram entropy in minutes on 2 CPU
@@ -394,7 +399,8 @@ class TrainSettings:
     clip: float = setting(1.0, group="optimisation")
     """Gradient-norm clip (0 turns it off)."""
     optimizer: str = setting("adamw", choices=OPTIMIZERS, group="optimisation",
-                             default_text="adamw (muon in tiny)")
+                             default_text="muon (adamw at --tp > 1 and under "
+                             "--sharding fsdp)")
     """adamw, or muon: zero1.Muon for the blocks' matrices, AdamW for the embeddings, the head
     and the vectors (lab2_trainer.recipe.muon)."""
     muon_lr: float | None = setting(None, group="optimisation", default_text=f"{MUON_LR:g}")

@@ -87,30 +87,36 @@ EMBED_SCALE = round(1.0 / (EMBEDDING_STD * math.sqrt(2.0)), 2)
 #: ``tiny`` (0.7 M parameters, far below GPT-3's 125M) is the CPU main command's model: over
 #: its 200 steps a learning rate of 6e-3 (0.77 / d_model) and 64 sequences of 64 bytes
 #: (its preset's context) ended 0.25 nats/byte lower than 3.1e-3 and 32 x 128, in less
-#: time (docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md). It trains with Muon
-#: (:mod:`lab2_trainer.recipe.muon`): 1.578 nats/byte at the end against AdamW's 1.939,
-#: AdamW's final loss reached at step 100 in 0.5-0.6 of AdamW's training time, each step
-#: 1.1-1.15 times AdamW's (docs/benchmarks/2026-12-06-cpu-2core-muon.md). Where the layout
-#: cuts the matrices (``--sharding fsdp``, ``--tp`` > 1) it gives way to AdamW.
-PRESET_RUNS: dict[str, dict[str, float | int | str]] = {
-    "tiny": {"lr": 6e-3, "batch_size": 64, "optimizer": "muon"}}
+#: time (docs/benchmarks/2026-12-05-cpu-2core-tiny-defaults.md).
+PRESET_RUNS: dict[str, dict[str, float | int | str]] = {"tiny": {"lr": 6e-3, "batch_size": 64}}
 #: Model fields that make a preset another model: its own run defaults no longer apply.
 SHAPE_FIELDS = frozenset({"d_model", "n_layers"})
+#: The optimizer of every run that names none: Muon (:mod:`lab2_trainer.recipe.muon`) for
+#: the blocks' matrices, AdamW for the rest. With rotary positions and QK-norm (the model's
+#: defaults) it read 0.85 nats/byte on ``small`` after 6.8-7.2 M tokens, where AdamW with
+#: learned positions and plain attention needed 23 M; at 450 steps it ended at 0.833
+#: (three seeds: 0.839, 0.823, 0.837) against 1.398 (1.403, 1.383, 1.409), each step 1.5x
+#: AdamW's on one H100 (docs/benchmarks/2026-12-06-h100-recipe-defaults.md). On the CPU
+#: main command Muon ended at 1.578 against AdamW's 1.939, and with rope and QK-norm at
+#: 1.416 (docs/benchmarks/2026-12-06-cpu-2core-muon.md). Where the layout cuts the
+#: matrices (``--sharding fsdp``, ``--tp`` > 1) it gives way to AdamW.
+OPTIMIZER = "muon"
 
 
 def preset_run(preset: str, changed: Iterable[str] = (),
                given: Mapping[str, Any] | None = None) -> dict[str, float | int | str]:
-    """The run defaults of ``preset`` that differ from the general ones (a new dict); none
-    where ``changed`` (the model fields given over the preset's) names its width or depth,
-    which the general rules serve. A preset's Muon is left out where the settings ``given``
+    """The run defaults of ``preset`` that differ from :class:`TrainSettings`' own (a new
+    dict): the recipe's :data:`OPTIMIZER`, and the preset's :data:`PRESET_RUNS`, none of
+    which where ``changed`` (the model fields given over the preset's) names its width or
+    depth, which the general rules serve. Muon is left out where the settings ``given``
     lay the ranks out so that they cut its matrices (``--sharding fsdp``, ``--tp`` > 1)."""
-    if SHAPE_FIELDS.intersection(changed):
-        return {}
-    run = dict(PRESET_RUNS.get(preset, {}))
+    run: dict[str, float | int | str] = {"optimizer": OPTIMIZER}
+    if not SHAPE_FIELDS.intersection(changed):
+        run.update(PRESET_RUNS.get(preset, {}))
     given = given or {}
     tp = given.get("tp")
     tp = tp if isinstance(tp, int) and not isinstance(tp, bool) else 1
-    if muon_problem(str(run.get("optimizer", "adamw")), given.get("sharding"), tp) is not None:
+    if muon_problem(str(run["optimizer"]), given.get("sharding"), tp) is not None:
         del run["optimizer"]
     return run
 
