@@ -75,17 +75,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab2_trainer.config import (
-    ACTIVATION_CHECKPOINTING,
-    DDP_KINDS,
-    PRECISIONS,
-    SELF_REDUCING,
-    SHARDING_KINDS,
-    ModelConfig,
-    default_layout,
-    setting,
-    tp_shape_problem,
-)
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, PRECISIONS, ModelConfig, setting
 from lab2_trainer.models.float8 import run_problem
 from lab2_trainer.models.shapes import (
     block_matmul_parameters,
@@ -95,6 +85,13 @@ from lab2_trainer.models.shapes import (
     parameter_counts,
     rank_parameter_counts,
     training_state_parts,
+)
+from lab2_trainer.recipe.layout import (
+    DDP_KINDS,
+    SELF_REDUCING,
+    SHARDING_KINDS,
+    default_layout,
+    tp_shape_problem,
 )
 from lab2_trainer.recipe.muon import OPTIMIZERS, muon_problem
 
