@@ -29,7 +29,8 @@ import harness
 import torch
 import torch.distributed as dist
 
-from lab2_trainer.config import BACKWARD_THREADS, BUCKET_RULES, SELF_REDUCING, SHARDING_KINDS
+from lab2_trainer.config import BACKWARD_THREADS, BUCKET_RULES
+from lab2_trainer.recipe.layout import SELF_REDUCING, SHARDING_KINDS
 
 
 def parse_variant(p: argparse.ArgumentParser, text: str) -> dict[str, str]:

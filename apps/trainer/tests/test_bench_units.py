@@ -92,7 +92,7 @@ def test_ddp_rows_exposed_shares(scripts):
 def test_variant_tables_cover_every_option(scripts):
     """The sharding kinds the scripts compare are the trainer's, and every ddp variant is a
     ``--ddp`` kind."""
-    from lab2_trainer.config import SHARDING_KINDS
+    from lab2_trainer.recipe.layout import SHARDING_KINDS
 
     harness, ddp, stack = scripts("harness"), scripts("ddp"), scripts("stack")
     assert {kind for kind, _, _ in harness.SHARDINGS.values()} == set(SHARDING_KINDS)

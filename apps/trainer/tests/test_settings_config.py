@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lab2_trainer.cli.flags import setting_fields
+from lab2_trainer.cli.flags import field_docs, setting_fields
 from lab2_trainer.cli.main import build_parser, main
 from lab2_trainer.cli.settings_file import from_toml, to_toml
-from lab2_trainer.config import ModelConfig, TrainSettings, field_docs, flag
+from lab2_trainer.config import ModelConfig, TrainSettings, flag
 
 SMALL = ["--batch-size", "8", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",
          "--no-plot", "--nproc", "1", "--device", "cpu"]

@@ -5,9 +5,9 @@
   code 2.
 * The setting machinery. Each field of :class:`ModelConfig` and of :class:`TrainSettings`
   is one setting: its default and its choices live in the field (:func:`setting`), its
-  help text is the string literal right after it (read by :func:`field_docs` without
-  importing anything), and ``lab2-train``'s flags are built from them. Each class's
-  ``check`` method checks every field's range in plain Python, in field order.
+  help text is the string literal right after it (read without importing anything by
+  :mod:`lab2_trainer.cli.flags`, which builds ``lab2-train``'s flags from them). Each
+  class's ``check`` method checks every field's range in plain Python, in field order.
 * Model configuration: :class:`ModelConfig`, size presets (:data:`PRESETS`), validation;
   ``model_config("small", n_layers=2)``: a preset's fields, some overridden, checked.
 * Training settings: every knob of a run in :class:`TrainSettings`, checked before any
@@ -16,6 +16,11 @@
   are ``precision`` and ``compile`` left to the device ("auto": :func:`device_defaults`).
   :mod:`lab2_trainer.cli.settings_file` writes and reads them as the flat TOML
   (``settings.toml`` in every run folder) that ``--config`` takes.
+* The rules of one concept live with it, and the checks here ask them: the ranks' layout
+  (:mod:`lab2_trainer.recipe.layout`: sharding kinds, DDP wrappers, what ``--tp`` cuts)
+  and Muon's (:mod:`lab2_trainer.recipe.muon`). Float8's need the device and live with
+  the float8 model (:mod:`lab2_trainer.models.float8`), asked before any rank starts
+  (:func:`lab2_trainer.cli.checks.check_fp8`).
 
 Nothing here imports torch: ``lab2-train --help`` and the bench suites' ``--help`` read
 these settings and must stay quick.
@@ -23,18 +28,22 @@ these settings and must stay quick.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 from lab2_trainer.recipe.defaults import EMBED_SCALE
+from lab2_trainer.recipe.layout import (
+    DDP_KINDS,
+    SHARDING_KINDS,
+    data_parallel_ranks,
+    default_layout,
+    layout_problem,
+    tp_problem,
+)
 from lab2_trainer.recipe.muon import MUON_LR, OPTIMIZERS, default_muon_lr, muon_problem
 from minddp import BUCKET_RULES  # how ``bucket_mb`` cuts buckets; read without torch
 from tritonnorm.limits import EPS_RANGE, eps_in_range
@@ -116,24 +125,10 @@ def _number(label: str, value: Any, ok: Callable[[float], bool] = lambda v: True
         raise ValueError(f"{label} must be {must}, got {value!r}")
 
 
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's doc: the string literal that follows it in the class body, its first
-    paragraph with whitespace collapsed (read with ``ast``; nothing is imported)."""
-    source = Path(sys.modules[cls.__module__].__file__).read_text(encoding="utf-8")
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
-            body = node.body
-            break
-    else:
-        return {}
-    docs = {}
-    for this, after in zip(body, body[1:]):
-        if (isinstance(this, ast.AnnAssign) and isinstance(this.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
-            docs[this.target.id] = " ".join(after.value.value.strip().split("\n\n")[0].split())
-    return docs
+def _refuse(problem: str | None) -> None:
+    """``ValueError`` with ``problem``, a concept's rule's one line (None: nothing wrong)."""
+    if problem is not None:
+        raise ValueError(problem)
 
 
 @dataclass
@@ -276,12 +271,6 @@ def model_config(preset: str = "tiny", **overrides: Any) -> ModelConfig:
 
 
 # ------------------------------------------------------------------- training settings
-DDP_KINDS = ("bucketed", "individual", "flat", "naive", "torch", "none")
-SHARDING_KINDS = ("none", "zero1", "zero2", "zero3", "zero1-allreduce", "torch", "fsdp")
-#: The sharding kinds that average gradients themselves, with no DDP wrapper (``--ddp none``):
-#: zero1 reduce-scattering them (ShardedOptimizer's stages 1 and 2, and stage 3) and
-#: PyTorch's FSDP2.
-SELF_REDUCING = ("zero1", "zero2", "zero3", "fsdp")
 #: The one precision table: autocast name -> torch dtype name (None: no autocast). fp8 is
 #: bf16 autocast with the blocks' matrix products in float8 (lab2_trainer.models.float8).
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
@@ -309,38 +298,6 @@ def device_defaults(device_type: str, bf16: bool) -> dict[str, Any]:
     else fp32 and eager (the CPU's: there they cost more than they save)."""
     fast = device_type == "cuda" and bf16
     return {"precision": "bf16" if fast else "fp32", "compile": fast}
-
-
-def default_layout(world_size: int, sharding: str | None, ddp: str | None
-                   ) -> tuple[str, str]:
-    """(sharding, ddp) with the defaults filled for ``world_size`` ranks: zero1 with more
-    than one rank (zero1-allreduce when a DDP wrapper is given), else none; the bucketed
-    wrapper where the sharding takes one and there is more than one rank, else none."""
-    if sharding is None:
-        if world_size == 1:
-            sharding = "none"
-        else:  # --ddp X alone keeps the DDP-wrapper pairing
-            sharding = "zero1-allreduce" if ddp not in (None, "none") else "zero1"
-    if ddp is None:
-        ddp = "bucketed" if world_size > 1 and sharding not in SELF_REDUCING else "none"
-    return sharding, ddp
-
-
-def tp_shape_problem(model: ModelConfig, tp: int, sequence_parallel: bool) -> str | None:
-    """What keeps ``tp`` ranks from cutting ``model`` into equal parts (heads, feed-forward
-    width, vocabulary; the sequence under sequence parallelism), in one line; None: nothing.
-    The run's checks, the planner's and the cut itself all ask this."""
-    if tp == 1:
-        return ("--sequence-parallel splits the sequence over --tp ranks: give --tp > 1"
-                if sequence_parallel else None)
-    for name in ("n_heads", "d_ff", "vocab_size"):
-        if getattr(model, name) % tp:
-            return (f"--tp {tp} does not divide {flag(name)} {getattr(model, name)}: each "
-                    "tensor-parallel rank holds an equal part")
-    if sequence_parallel and model.context_length % tp:
-        return (f"--sequence-parallel needs --tp {tp} to divide {flag('context_length')} "
-                f"{model.context_length}")
-    return None
 
 
 def step_range(label: str, text: Any) -> tuple[int, int]:
@@ -595,10 +552,7 @@ class TrainSettings:
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel ranks among ``world_size``: ``world_size / tp`` (the world
         itself when ``tp`` does not divide it, for :meth:`check_tp` to name)."""
-        tp = self.tp
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
-            return world_size
-        return world_size // tp
+        return data_parallel_ranks(world_size, self.tp)
 
     def check(self) -> None:
         """Each setting in its range, in field order; ``ValueError`` with one line naming
@@ -662,25 +616,11 @@ class TrainSettings:
         self.fill_recipe()
         self.check()
         self.check_tp(world_size)
-        problem = muon_problem(self.optimizer, self.sharding, self.tp)
-        if problem is not None:
-            raise ValueError(problem)
-        dp = self.data_parallel_size(world_size)
+        _refuse(muon_problem(self.optimizer, self.sharding, self.tp))
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
-        if self.sharding in SELF_REDUCING and self.ddp != "none":
-            raise ValueError(f"--sharding {self.sharding} averages gradients itself, without "
-                             f"a DDP wrapper: drop --ddp {self.ddp} (--sharding "
-                             "zero1-allreduce pairs a --ddp wrapper with zero1)")
-        if self.sharding in SELF_REDUCING and self.precision == "fp16":
-            raise ValueError(f"--precision fp16 needs a gradient scaler that reads every "
-                             f"averaged gradient, which --sharding {self.sharding} does not "
-                             "leave on the model: use bf16")
-        if self.sharding in ("zero1-allreduce", "torch") and self.ddp == "none" and dp > 1:
-            raise ValueError(f"--sharding {self.sharding} needs a --ddp variant")
-        if self.ddp == "none" and dp > 1 and self.sharding not in SELF_REDUCING:
-            what = f"{dp} data-parallel ranks" if dp != world_size else f"{dp} ranks"
-            raise ValueError(f"--ddp none cannot average gradients over {what}")
+        _refuse(layout_problem(self.sharding, self.ddp, self.precision, world_size,
+                               self.data_parallel_size(world_size)))
         if self.vocab_size is not None and self.vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the model's {self.model.vocab_size}"
@@ -690,13 +630,7 @@ class TrainSettings:
     def check_tp(self, world_size: int) -> None:
         """``--tp`` divides the ranks and every dimension it splits; ``ValueError`` with one
         line naming the first that it does not."""
-        tp, m = self.tp, self.model
-        if tp > 1 and world_size % tp:
-            raise ValueError(f"--tp {tp} does not divide the {world_size} ranks (the ranks are "
-                             "data-parallel x tensor-parallel)")
-        problem = tp_shape_problem(m, tp, self.sequence_parallel)
-        if problem is not None:
-            raise ValueError(problem)
+        _refuse(tp_problem(self.model, self.tp, world_size, self.sequence_parallel))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only (checkpoints load with ``weights_only=True``)."""

@@ -1,12 +1,17 @@
 """The command-line flags of ``lab2-train`` and ``lab2-train plan``, built from the settings'
 fields (:mod:`lab2_trainer.config`): one flag per field, its default and choices from the
-field, its help text from the string literal after it, grouped as :data:`GROUPS`.
+field, its help text from the string literal after it (:func:`field_docs`), grouped as
+:data:`GROUPS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import sys
 from dataclasses import fields
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from lab2_trainer.config import (
@@ -14,7 +19,6 @@ from lab2_trainer.config import (
     PRESETS,
     ModelConfig,
     TrainSettings,
-    field_docs,
     flag,
 )
 
@@ -25,6 +29,26 @@ def setting_fields() -> list[tuple[type, Any]]:
     """(class, field) of every setting with a flag: the model's, then the run's."""
     return [(cls, f) for cls in (ModelConfig, TrainSettings) for f in fields(cls)
             if f.metadata and f.metadata.get("flag", True)]
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's doc: the string literal that follows it in the class body, its first
+    paragraph with whitespace collapsed (read with ``ast``; nothing is imported)."""
+    source = Path(sys.modules[cls.__module__].__file__).read_text(encoding="utf-8")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            body = node.body
+            break
+    else:
+        return {}
+    docs = {}
+    for this, after in zip(body, body[1:]):
+        if (isinstance(this, ast.AnnAssign) and isinstance(this.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[this.target.id] = " ".join(after.value.value.strip().split("\n\n")[0].split())
+    return docs
 
 
 def _default_text(cls: type, f) -> str:

@@ -28,11 +28,11 @@ from lab2_trainer.config import (
     ModelConfig,
     TrainSettings,
     UsageError,
-    default_layout,
     flag,
     model_config,
 )
 from lab2_trainer.recipe.defaults import preset_run
+from lab2_trainer.recipe.layout import default_layout
 
 EXIT_OK, EXIT_FAILED = 0, 1
 SETTINGS_NAME = "settings.toml"

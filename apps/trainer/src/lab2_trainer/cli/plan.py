@@ -25,7 +25,6 @@ from lab2_trainer.config import (
     AUTO_SETTINGS,
     EXIT_BAD_INPUT,
     PRESETS,
-    SHARDING_KINDS,
     ModelConfig,
     TrainSettings,
     UsageError,
@@ -34,6 +33,7 @@ from lab2_trainer.config import (
 )
 from lab2_trainer.planner.layout import recommend
 from lab2_trainer.planner.plan import GIB, Hardware, PlanInput, plan
+from lab2_trainer.recipe.layout import SHARDING_KINDS
 from lab2_trainer.runtime.paths import check_output_file, shown
 
 #: GPU counts of ``--plot``, and the GPUs a node beyond the first.

@@ -269,7 +269,7 @@ def ddp_wrapper(module: nn.Module, kind: str, options: Options) -> nn.Module | N
     Raises:
         ValueError: an unknown kind, or a ``reduce_dtype`` the kind cannot average in.
     """
-    from lab2_trainer.config import DDP_KINDS
+    from lab2_trainer.recipe.layout import DDP_KINDS
 
     if kind not in DDP_KINDS:
         raise ValueError(f"unknown ddp kind {kind!r}")
@@ -574,8 +574,8 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
 
     Args:
         model: the bare model, on ``device``, identical on every rank.
-        sharding: one of ``config.SHARDING_KINDS``.
-        ddp: one of ``config.DDP_KINDS`` ("none" with zero1, zero2, zero3 and fsdp).
+        sharding: one of ``recipe.layout.SHARDING_KINDS``.
+        ddp: one of ``recipe.layout.DDP_KINDS`` ("none" with zero1, zero2, zero3 and fsdp).
         device: this rank's device.
         lr, betas, weight_decay, fused: AdamW's.
         compile: torch.compile's backend and mode and the scope (:func:`compile_model`),
@@ -592,7 +592,7 @@ def parallelize(model: nn.Module, *, sharding: str, ddp: str, device: torch.devi
         muon: step the blocks' matrices with Muon, the rest with AdamW
             (:mod:`lab2_trainer.parallel.optimizers`); None: AdamW alone.
     """
-    from lab2_trainer.config import SELF_REDUCING
+    from lab2_trainer.recipe.layout import SELF_REDUCING
 
     if sharding not in FAMILIES:
         raise ValueError(f"unknown sharding {sharding!r}")

@@ -80,9 +80,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab2_trainer.config import ModelConfig, tp_shape_problem
+from lab2_trainer.config import ModelConfig
 from lab2_trainer.models.transformer import TransformerLM
 from lab2_trainer.parallel.mesh import Mesh
+from lab2_trainer.recipe.layout import tp_shape_problem
 from minitp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -143,7 +144,7 @@ class TensorLayout:
 
 def check_shardable(config: ModelConfig, tp: int, sequence_parallel: bool) -> None:
     """Refuse a model that ``tp`` ranks cannot cut (``ValueError``, one line): the run's
-    own check (:func:`lab2_trainer.config.tp_shape_problem`), for callers that bypass it."""
+    own check (:func:`lab2_trainer.recipe.layout.tp_shape_problem`), for callers that bypass it."""
     problem = tp_shape_problem(config, tp, sequence_parallel)
     if problem is not None:
         raise ValueError(problem)

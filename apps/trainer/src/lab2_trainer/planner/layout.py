@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lab2_trainer.config import ACTIVATION_CHECKPOINTING, tp_shape_problem
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING
 from lab2_trainer.planner.plan import PlanInput, plan
+from lab2_trainer.recipe.layout import tp_shape_problem
 from lab2_trainer.recipe.muon import muon_problem
 
 #: The sharding kinds a recommendation weighs (see the module docstring).

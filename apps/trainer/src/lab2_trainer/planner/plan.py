@@ -79,17 +79,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab2_trainer.config import (
-    ACTIVATION_CHECKPOINTING,
-    DDP_KINDS,
-    PRECISIONS,
-    SELF_REDUCING,
-    SHARDING_KINDS,
-    ModelConfig,
-    default_layout,
-    setting,
-    tp_shape_problem,
-)
+from lab2_trainer.config import ACTIVATION_CHECKPOINTING, PRECISIONS, ModelConfig, setting
 from lab2_trainer.models.float8 import run_problem
 from lab2_trainer.models.shapes import (
     block_matmul_parameters,
@@ -101,6 +91,13 @@ from lab2_trainer.models.shapes import (
     training_state_parts,
 )
 from lab2_trainer.planner.muon import muon_step
+from lab2_trainer.recipe.layout import (
+    DDP_KINDS,
+    SELF_REDUCING,
+    SHARDING_KINDS,
+    default_layout,
+    tp_shape_problem,
+)
 from lab2_trainer.recipe.muon import OPTIMIZERS, muon_problem
 
 GIB = 1024**3
