@@ -66,7 +66,7 @@ def by_rank(states: list[dict[str, torch.Tensor]], tp: int) -> dict[str, Any]:
 def resume_seed(seed: int, step: int, dp_index: int) -> int:
     """The seed of the default generators of data-parallel index ``dp_index`` when a resume
     at step ``step`` cannot take the saved states back (another layout): a fixed function
-    of the three, far from every seed a run starts from."""
+    of the three (64 bits of a hash of them), unrelated to the seeds a run starts from."""
     text = f"lab2-trainer resume rng: seed {seed}, step {step}, dp index {dp_index}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
