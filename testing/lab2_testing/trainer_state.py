@@ -13,7 +13,8 @@ def bare_trainer_state(settings: Any, optimizer: torch.optim.Optimizer, step: in
     """What ``checkpoint.folders`` writes beside the parts, for a run at ``step`` with
     ``settings`` and ``optimizer``: an empty schedule and corpus identity, the sampler at
     ``step`` draws, the CPU's random state, no scaler and no learned gradient order."""
-    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION, rng_state
+    from lab2_trainer.checkpoint.rng import rng_state
+    from lab2_trainer.checkpoint.single_file import FORMAT, VERSION
     from zero1.checkpoint import pack_param_groups
 
     return {"format": FORMAT, "version": VERSION, "sharded": True,

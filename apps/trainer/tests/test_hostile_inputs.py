@@ -252,7 +252,10 @@ def test_8_bad_checkpoint_content_is_refused_in_the_launcher(capsys, monkeypatch
     (lambda c: c["optimizer_groups"][0].update(amsgrad=True), "amsgrad=True"),
     (lambda c: c.update(gradient_order=[0, 0, 1]), "gradient_order must be a permutation"),
     (lambda c: c.update(scaler={"scale": -1.0}), "gradient scaler state"),
-], ids=["betas-other", "amsgrad", "order-repeats", "scaler"])
+    (lambda c: c["rng_by_rank"].update(world_size=2), "random states of 2 rank(s)"),
+    (lambda c: c["rng_by_rank"]["ranks"][0].update(cpu=torch.zeros(3)),
+     "rank 0's CPU random state is unusable"),
+], ids=["betas-other", "amsgrad", "order-repeats", "scaler", "rng-ranks", "rng-rank-state"])
 def test_8_bad_sharded_checkpoint_content_is_refused_in_the_launcher(
         capsys, monkeypatch, finished, tmp_path, edit, fragment):
     folder = _edited_step(finished, tmp_path, edit)

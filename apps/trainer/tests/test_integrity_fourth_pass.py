@@ -227,7 +227,7 @@ def test_6_a_resume_names_the_partial_step_it_passed_over(over_partial):
                           f"write: no manifest.json); resuming from {step(run, 5)}"], err
 
 
-def test_6_a_resume_from_an_older_step_names_the_newer_checkpoints_it_replaces(base,
+def test_6_a_resume_from_an_older_step_names_the_newer_checkpoints_it_supersedes(base,
                                                                                 tmp_path):
     from types import SimpleNamespace
 
@@ -236,8 +236,8 @@ def test_6_a_resume_from_an_older_step_names_the_newer_checkpoints_it_replaces(b
     run = copy_run(base, tmp_path)
     said = step_folder_notes(SimpleNamespace(out=str(run), resume=str(step(run, 5))))
     assert said == [f"resuming from {step(run, 5)} while {run / 'ckpt'} holds newer "
-                    "checkpoints (step-000010): this run replaces each as it saves that step "
-                    "again"], said
+                    "checkpoints (step-000010): this run's first save supersedes them (they "
+                    "are removed then, and --keep-last counts this run's checkpoints only)"], said
     assert step_folder_notes(SimpleNamespace(out=str(run), resume=str(step(run, 10)))) == []
 
 

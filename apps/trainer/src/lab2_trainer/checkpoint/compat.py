@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lab2_trainer.checkpoint.rng import KEY, check_saved, check_states
 from lab2_trainer.config import INT_LIMIT, UsageError
 from lab2_trainer.models.transformer import shape_model
 
@@ -174,7 +175,8 @@ def _check_content(parts: list[Any], optimizers: list[Any], settings: Any, path:
 def _check_run_state(ckpt: dict[str, Any], settings: Any, path: Any, n_params: int) -> None:
     """The launch order, random state, scaler, data position and step of a checkpoint."""
     _check_gradient_order(ckpt.get("gradient_order"), n_params, path)
-    _check_rng(ckpt["rng"], path)
+    check_states(ckpt["rng"], path)
+    check_saved(ckpt.get(KEY), path)
     _check_scaler(ckpt.get("scaler"), path)
     sampler = ckpt["sampler"]
     if not isinstance(sampler, dict) or not all(
@@ -320,26 +322,3 @@ def _check_scaler(scaler: Any, path: Any) -> None:
             or not scaler.get("scale", 1.0) > 0:
         raise UsageError(f"checkpoint {path}: its gradient scaler state is not a dict of "
                          "finite numbers with a scale > 0")
-
-
-def _check_rng(rng: Any, path: Any) -> None:
-    """Try the saved CPU random state for real (and put ours back); the GPU one must at
-    least be a byte tensor."""
-    import torch
-
-    if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
-        raise UsageError(f"checkpoint {path}: its random state is not a dict with a 'cpu' "
-                         "tensor")
-    ours = torch.get_rng_state()
-    try:
-        torch.set_rng_state(rng["cpu"])
-    except (RuntimeError, TypeError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"checkpoint {path}: its CPU random state is unusable: {reason}") \
-            from None
-    finally:
-        torch.set_rng_state(ours)
-    cuda = rng.get("cuda")
-    if cuda is not None and not (isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8
-                                 and cuda.dim() == 1):
-        raise UsageError(f"checkpoint {path}: its GPU random state is not a byte tensor")

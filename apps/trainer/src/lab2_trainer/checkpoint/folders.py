@@ -275,8 +275,8 @@ def step_folder_notes(settings) -> list[str]:
     * a resume names each one newer than its step, which it passed over (an interrupted
       write there is replaced when the run saves that step again);
 
-    and one line when a resume from an older step in ``--out`` will replace newer complete
-    checkpoints there.
+    and one line when ``--out`` holds complete checkpoints newer than the step folder resumed
+    from, which the run's first save removes (:func:`prune`).
 
     Raises:
         UsageError: a folder cannot be renamed.
@@ -312,10 +312,11 @@ def step_folder_notes(settings) -> list[str]:
             notes.append(f"set aside {item.folder} ({item.why}) as {aside.name}, so that "
                          "this run does not overwrite or remove it")
     newer = [folder.name for n, folder in complete_steps(out_root)
-             if same_root and n > int(match[1])]
+             if match is not None and n > int(match[1])]
     if newer:
         notes.append(f"resuming from {resumed} while {out_root} holds newer checkpoints "
-                     f"({', '.join(newer)}): this run replaces each as it saves that step again")
+                     f"({', '.join(newer)}): this run's first save supersedes them (they "
+                     "are removed then, and --keep-last counts this run's checkpoints only)")
     return notes
 
 
@@ -371,13 +372,26 @@ def has_checkpoint(run: str | os.PathLike) -> bool:
 
 
 def prune(root: Path, keep_last: int, newest: int) -> list[str]:
-    """After step ``newest`` was completed: remove the complete step folders beyond the
-    ``keep_last`` newest (0 keeps all), and incomplete ones older than ``newest`` (left
-    by interrupted writes). Returns the names removed."""
+    """After step ``newest`` was completed by the run saving into ``root``: remove
+
+    * the complete step folders newer than ``newest``: a run's steps only grow, so they are
+      from a timeline it does not continue (it resumed from an older step), which its save
+      supersedes; left there, ``--resume`` of the run would take the newest of them;
+    * of the others, those beyond the ``keep_last`` newest (0 keeps all): ``newest`` is
+      the newest kept, and the folder the run resumed from goes only once ``keep_last``
+      newer ones of its own are complete;
+    * incomplete ones older than ``newest`` (left by interrupted writes).
+
+    Nothing complete is removed unless step ``newest`` is itself complete. Returns the
+    names removed."""
     removed = []
     complete = complete_steps(root)
-    drop = [folder for _, folder in complete[:-keep_last]] if keep_last > 0 else []
     kept = {folder for _, folder in complete}
+    if newest not in {n for n, _ in complete}:
+        complete = []  # no good save to stand for them: every checkpoint stays
+    superseded = [folder for n, folder in complete if n > newest]
+    timeline = [folder for n, folder in complete if n <= newest]
+    drop = superseded + (timeline[:-keep_last] if keep_last > 0 else [])
     for entry in root.iterdir() if root.is_dir() else ():
         match = STEP_FOLDER.match(entry.name)
         if match and entry not in kept and int(match.group(1)) < newest:
@@ -401,9 +415,9 @@ def save_trainer_state(folder: Path, state: dict[str, Any]) -> tuple[int, int]:
 
 def trainer_state(trainer: Any) -> dict[str, Any]:
     """What ``trainer.pt`` holds of a :class:`lab2_trainer.training.loop.Trainer` (rank 0's)."""
+    from lab2_trainer.checkpoint.rng import rng_state
     from lab2_trainer.checkpoint.single_file import FORMAT as FILE_FORMAT
     from lab2_trainer.checkpoint.single_file import VERSION as FILE_VERSION
-    from lab2_trainer.checkpoint.single_file import rng_state
     from zero1.checkpoint import pack_param_groups
 
     return {

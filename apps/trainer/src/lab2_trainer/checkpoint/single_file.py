@@ -14,7 +14,8 @@ values (so it loads with ``weights_only=True``):
 * ``optimizer``: the whole optimizer state in ``torch.optim.AdamW``'s format (a sharded
   optimizer is consolidated first), so any sharding and any number of ranks can load it;
 * ``schedule``, ``step``, ``settings`` (the training settings), ``sampler`` (the data
-  position), ``data`` (what data it was trained on), ``rng`` (torch's random states),
+  position), ``data`` (what data it was trained on), ``rng`` (rank 0's random states;
+  ``rng_by_rank``, every rank's: :mod:`lab2_trainer.checkpoint.rng`),
   ``scaler`` (fp16 gradient scaler), ``world_size``;
 * ``checksums`` (version 2), verified on load, where the model and the optimizer state
   must also be finite. Version 1 files (no checksums) still load, with the finiteness
@@ -77,21 +78,6 @@ def _save_interruptible(obj: Any, f: Any) -> None:
         if isinstance(err.__context__, KeyboardInterrupt):
             raise err.__context__ from None
         raise
-
-
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """Torch's random states (CPU, and this rank's GPU)."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Restore what :func:`rng_state` saved."""
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:

@@ -12,9 +12,11 @@ and reused); the write then runs on a background thread, while the next steps tr
    files with as many threads (one per :data:`BYTES_PER_THREAD` of its part): one thread
    does not keep a disk busy (``docs/benchmarks/2026-12-03-h200-goodput.md``);
 2. each rank checksums its share of the files written, ``threads`` files at a time;
-   rank 0 writes ``trainer.pt``;
-3. rank 0 gathers the checksums and writes the manifest, last and atomically, then
-   removes the step folders beyond ``--keep-last``.
+3. rank 0 gathers the checksums and every rank's random generator states (taken at the
+   save, :mod:`lab2_trainer.checkpoint.rng`), writes ``trainer.pt`` with them, then the
+   manifest, last and atomically, then removes the step folders beyond ``--keep-last``
+   (and the newer ones of a timeline a resume from an older step left:
+   :func:`~lab2_trainer.checkpoint.folders.prune`).
 
 At most one save is in flight: the next one (and the end of the run) waits for it first.
 A failed write is reported in one line (:attr:`Checkpointer.error`); the previous
@@ -57,6 +59,8 @@ from lab2_trainer.checkpoint.parts import (
     write_parts,
     write_share,
 )
+from lab2_trainer.checkpoint.rng import KEY as RNG_BY_RANK
+from lab2_trainer.checkpoint.rng import by_rank, rng_state
 from lab2_trainer.runtime.run_folder import WriteFailed, refused_write
 
 #: Seconds per step that :meth:`Checkpointer.make_buffers` spends making pinned buffers.
@@ -133,11 +137,13 @@ class Checkpointer:
                 self._pending = []
 
     def save(self, step: int, trainer_state: dict[str, Any] | None) -> float:
-        """Save the model, AdamW's state and (on rank 0) ``trainer_state`` as step
-        ``step``; every rank. Returns the seconds training stalled for it: waiting for
-        the previous save, and the copy (and the write, in the foreground)."""
+        """Save the model, AdamW's state, every rank's random generator states (as they
+        are now) and (on rank 0) ``trainer_state`` as step ``step``; every rank. Returns
+        the seconds training stalled for it: waiting for the previous save, and the copy
+        (and the write, in the foreground)."""
         start = time.perf_counter()
         self.report(self.wait())
+        rng = rng_state(self.device)
         # Where the state lives is asked anew each time: zero1 rebuilds its buckets once.
         at = self.placement
         holders = state_holders(self.model, self.optimizer, self.sharding, at)
@@ -152,11 +158,12 @@ class Checkpointer:
                 (folder / MANIFEST).unlink(missing_ok=True)
         if self.asynchronous:
             self._thread = threading.Thread(target=self._write_reporting,
-                                            args=(folder, staged, trainer_state, step),
+                                            args=(folder, staged, trainer_state, step,
+                                                  rng),
                                             name="checkpoint-writer", daemon=True)
             self._thread.start()
         else:
-            self._write_reporting(folder, staged, trainer_state, step)
+            self._write_reporting(folder, staged, trainer_state, step, rng)
         stall = time.perf_counter() - start
         self.stalls.append(stall)
         return stall
@@ -190,9 +197,10 @@ class Checkpointer:
         return staged
 
     def _write_reporting(self, folder: Path, staged: list[Part],
-                         trainer_state: dict[str, Any] | None, step: int) -> None:
+                         trainer_state: dict[str, Any] | None, step: int,
+                         rng: dict[str, torch.Tensor]) -> None:
         try:
-            self._write(folder, staged, trainer_state, step)
+            self._write(folder, staged, trainer_state, step, rng)
         except BaseException as exc:  # noqa: BLE001 (reported by wait(), in one line)
             refused = refused_write(exc)  # a full disk: say so, not "CheckpointException"
             reason = (refused.strerror or str(refused)) if refused is not None else (
@@ -203,7 +211,7 @@ class Checkpointer:
                 raise
 
     def _write(self, folder: Path, staged: list[Part], trainer_state: dict[str, Any] | None,
-               step: int) -> None:
+               step: int, rng: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint import FileSystemWriter
 
         if self.rank == 0:
@@ -229,18 +237,21 @@ class Checkpointer:
         mine = names[self.rank::self.world_size]
         with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
             files = dict(zip(mine, pool.map(file_crc, [folder / n for n in mine])))
-        if self.rank == 0:
-            files[TRAINER_STATE] = save_trainer_state(folder, trainer_state)
-            if ".metadata" not in files:
-                files[".metadata"] = file_crc(folder / ".metadata")
+        if self.rank == 0 and ".metadata" not in files:
+            files[".metadata"] = file_crc(folder / ".metadata")
+        # One gather: each rank's checksums and random states (by global rank).
+        everyone: list[Any] = [(files, rng)]
         if self.distributed:
-            everyone: list[Any] = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(files, everyone, dst=dist.get_global_rank(self.group, 0),
+            everyone = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object((files, rng), everyone, dst=dist.get_global_rank(self.group, 0),
                                group=self.group)
-            if self.rank == 0:
-                for theirs in everyone:
-                    files.update(theirs)
         if self.rank == 0:
+            for theirs, _ in everyone:
+                files.update(theirs)
+            if trainer_state is not None:
+                trainer_state = {**trainer_state, RNG_BY_RANK: by_rank(
+                    [states for _, states in everyone], self.placement.tp)}
+            files[TRAINER_STATE] = save_trainer_state(folder, trainer_state)
             write_manifest(folder, step, files, world_size=self.world_size,
                            sharding=self.sharding, tp=self.placement.tp)
             prune(self.root, self.keep_last, step)

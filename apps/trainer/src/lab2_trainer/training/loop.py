@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,8 @@ from lab2_trainer.checkpoint.export import keyed_state
 from lab2_trainer.checkpoint.folders import load_trainer_state, trainer_state
 from lab2_trainer.checkpoint.folders import resolve as resolve_checkpoint
 from lab2_trainer.checkpoint.parts import Placement, load_folder, load_whole
-from lab2_trainer.checkpoint.single_file import load_checkpoint, set_rng_state
+from lab2_trainer.checkpoint.rng import restore as restore_rng
+from lab2_trainer.checkpoint.single_file import load_checkpoint
 from lab2_trainer.checkpoint.writer import Checkpointer
 from lab2_trainer.config import (
     Diverged,
@@ -231,7 +233,12 @@ class Trainer:
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise UsageError(f"checkpoint optimizer state does not fit: {exc}") from None
         self.sampler.load_state_dict(ckpt["sampler"])
-        set_rng_state(ckpt["rng"], self.ctx.device)
+        # This rank's own generators (dropout's masks), or fresh ones on another layout.
+        note = restore_rng(ckpt, self.ctx.device, rank=self.ctx.rank,
+                           world_size=self.ctx.world_size, tp=self.s.tp,
+                           dp_index=self.data_rank[0], seed=self.s.seed)
+        if note is not None and self.ctx.is_main and self.s.model.dropout > 0:
+            print(f"lab2-train: note: {note}", file=sys.stderr, flush=True)
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.set_gradient_order(ckpt.get("gradient_order"))
