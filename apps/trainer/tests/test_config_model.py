@@ -177,15 +177,16 @@ def test_residual_projections_have_smaller_init():
     assert std_out < std_in / 3
 
 
-def test_tied_embeddings_share_one_tensor_and_count_once():
-    untied = TransformerLM(small_config(), seed=0)
-    tied = TransformerLM(small_config(tie_embeddings=True), seed=0)
+@pytest.mark.parametrize("rope", [True, False])
+def test_tied_embeddings_share_one_tensor_and_count_once(rope):
+    untied = TransformerLM(small_config(rope=rope), seed=0)
+    tied = TransformerLM(small_config(tie_embeddings=True, rope=rope), seed=0)
     assert tied.lm_head.weight is tied.tok_emb.weight
     assert untied.num_parameters() - tied.num_parameters() == 256 * 32
     manual = sum(p.numel() for p in {id(p): p for p in untied.parameters()}.values())
     assert untied.num_parameters() == manual
     non_emb = untied.num_parameters(non_embedding=True)
-    assert non_emb == manual - 256 * 32 - 16 * 32
+    assert non_emb == manual - 256 * 32 - (0 if rope else 16 * 32)  # no position table
 
 
 def test_sequence_longer_than_context_is_rejected():

@@ -111,7 +111,7 @@ def test_1_a_shard_the_manifest_does_not_list_is_refused(capsys, base, tmp_path)
 def test_2_export_refuses_non_finite_values_as_resume_does(capsys, base, tmp_path):
     run = copy_run(base, tmp_path)
     folder = step(run, 10)
-    weight = full_tensors(folder, ["model.pos_emb.weight"])["model.pos_emb.weight"]
+    weight = full_tensors(folder, ["model.tok_emb.weight"])["model.tok_emb.weight"]
     shard = folder / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
     at = bytes(raw).find(weight.numpy().tobytes()[:64])
@@ -120,7 +120,7 @@ def test_2_export_refuses_non_finite_values_as_resume_does(capsys, base, tmp_pat
     shard.write_bytes(bytes(raw))
     relist(folder)
     verify(folder)  # the checksums match: only the values are wrong
-    problem = "tensor model.pos_emb.weight holds 4 non-finite values"
+    problem = "tensor model.tok_emb.weight holds 4 non-finite values"
     line = refused(capsys, ["--resume", str(folder), "--steps", "11", "--nproc", "1"],
                    tmp_path)
     assert f"checkpoint {folder} is unusable: {problem}" in line, line

@@ -286,8 +286,7 @@ def test_the_planner_counts_one_momentum_buffer_for_muons_matrices():
 
 
 def test_tiny_trains_with_muon_unless_the_layout_cuts_its_matrices(tmp_path):
-    """The main command's preset takes Muon as its own run default (recipe.defaults); a
-    flag wins, and --sharding fsdp or --tp > 1 leave it AdamW instead of refusing."""
+    """Every run takes Muon as the recipe's default (recipe.defaults); a flag wins, and --sharding fsdp or --tp > 1 leave it AdamW instead of refusing."""
     from lab2_trainer.cli.main import build_parser, given_settings, resolve_settings
 
     def new_run(argv):
@@ -300,6 +299,6 @@ def test_tiny_trains_with_muon_unless_the_layout_cuts_its_matrices(tmp_path):
     for argv in (["--nproc", "2", "--sharding", "fsdp"], ["--nproc", "2", "--tp", "2"]):
         run = new_run(argv)
         assert (run.optimizer, run.muon_lr) == ("adamw", None), argv
-    # A reshaped tiny and the other presets keep the general default, AdamW.
-    assert new_run(["--nproc", "2", "--d-model", "64"]).optimizer == "adamw"
-    assert new_run(["--nproc", "1", "--preset", "small"]).optimizer == "adamw"
+    # Muon is the recipe's for every model: a reshaped tiny and the other presets take it.
+    assert new_run(["--nproc", "2", "--d-model", "64"]).optimizer == "muon"
+    assert new_run(["--nproc", "1", "--preset", "small"]).optimizer == "muon"

@@ -60,12 +60,15 @@ def test_a_saved_config_without_embed_scale_keeps_the_multiplier_it_was_trained_
         model_config("tiny", embed_scale=0.0)
 
 
-def test_the_stream_starts_at_unit_rms_and_the_logits_near_uniform():
-    config = model_config("tiny", d_model=256, n_heads=4, d_ff=512)
+@pytest.mark.parametrize("rope", [False, True])
+def test_the_stream_starts_at_unit_rms_and_the_logits_near_uniform(rope):
+    config = model_config("tiny", d_model=256, n_heads=4, d_ff=512, rope=rope)
     model = TransformerLM(config, seed=3)
     idx = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
     x, _ = model.embed(idx)
-    assert x.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.1)
+    # Two tables of std 0.02 times 35.36 sum to unit RMS; under rope there is one table.
+    rms = 1.0 if not rope else 2**-0.5
+    assert x.pow(2).mean().sqrt().item() == pytest.approx(rms, rel=0.1)
     logits = model(idx)
     assert logits.std().item() == pytest.approx(recipe.LOGIT_STD, rel=0.2)
     residual = recipe.init_stds(256, config.n_layers)["residual"]
@@ -78,10 +81,11 @@ def test_a_tied_head_takes_the_embedding_std():
     assert model.tok_emb.weight.std().item() == pytest.approx(recipe.EMBEDDING_STD, rel=0.1)
 
 
-def test_embedding_tables_and_vectors_do_not_decay():
-    model = TransformerLM(model_config("tiny"), seed=0)
+@pytest.mark.parametrize("rope", [False, True])
+def test_embedding_tables_and_vectors_do_not_decay(rope):
+    model = TransformerLM(model_config("tiny", rope=rope), seed=0)
     decay, no_decay = param_groups(model, 0.1)
-    tables = {id(model.tok_emb.weight), id(model.pos_emb.weight)}
+    tables = {id(model.tok_emb.weight)} | ({id(model.pos_emb.weight)} if not rope else set())
     assert not tables & {id(p) for p in decay["params"]}
     assert tables <= {id(p) for p in no_decay["params"]}
     assert all(p.dim() == 2 for p in decay["params"])
