@@ -91,6 +91,7 @@ from lab2_trainer.models.shapes import (
     training_state_parts,
 )
 from lab2_trainer.planner.muon import muon_step
+from lab2_trainer.planner.qk import qk_activation_bytes
 from lab2_trainer.recipe.layout import (
     DDP_KINDS,
     SELF_REDUCING,
@@ -285,11 +286,12 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
       by op, also keeps its normalised input (4 d more);
     * attention keeps q, k and v (the qkv product, 3 a d), its output (a d; also the
       projection's input) and the log-sum-exp (4 bytes a head);
-    * rotary positions and QK-norm (``rope``, ``qk_norm``; :func:`qk_activation_bytes`) add
-      the q and k attention then takes, their own tensors (2 a d); with rope the output
-      projection's input, then a copy of attention's output (a d); with QK-norm the fp32
-      copies of q and k its product keeps (8 d, where ``a`` is 2, eager only) and the fp32
-      reciprocal RMS of each head (8 bytes a head);
+    * rotary positions and QK-norm (``rope``, ``qk_norm``;
+      :func:`lab2_trainer.planner.qk.qk_activation_bytes`) add the q and k attention then
+      takes, their own tensors (2 a d); with rope the output projection's input, then a
+      copy of attention's output (a d); with QK-norm the fp32 copies of q and k its
+      product keeps (8 d, where ``a`` is 2, eager only) and the fp32 reciprocal RMS of
+      each head (8 bytes a head);
     * SwiGLU keeps w1's and w3's outputs, SiLU's output and the product (4 a d_ff); GELU
       w1's output and GELU's (2 a d_ff). Compiled, Inductor's partitioner recomputes some
       of the elementwise work: SwiGLU keeps 3 a d_ff (a fit to measured peaks: the
@@ -320,61 +322,12 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
         return (4 + 2 * a) * d * stream + 4 * a * d / tp + mlp_products + lse + gathered
     norm_extra = 4 * d if config.norm == "torch" else 0
     norms = 2 * (4 * d + a * d + norm_extra) * stream
-    attention = (3 * a * d + a * d + qk_activation_bytes(config, precision, compiled)) / tp + lse
+    attention = (3 * a * d + a * d + qk_activation_bytes(config, a, compiled)) / tp + lse
     if compiled and config.ffn == "swiglu":
         mlp = 3 * a * f / tp
     else:
         mlp = (4 if config.ffn == "swiglu" else 2) * a * f / tp
     return norms + attention + mlp + gathered
-
-
-def qk_activation_bytes(config: ModelConfig, precision: str, compiled: bool = False) -> float:
-    """Bytes per token that rotary positions and QK-norm add to what a block keeps for its
-    backward with no checkpointing (``models.transformer``'s ``rotate`` and
-    ``rms_normalise``, whose autograd nodes are what keeps them; ``a`` the autocast dtype's
-    size, 4 in fp32):
-
-    * plain attention takes q, k and v as views of the qkv product, so its three inputs are
-      that one tensor (3 a d, counted in :func:`layer_activation_bytes`). With either
-      option q and k are new tensors that attention keeps (2 a d); v still keeps the
-      whole qkv product alive;
-    * the rotation keeps nothing that grows with the batch: its products of q's halves by
-      the cosines and sines keep only those tables (positions x head_dim, recomputed per
-      call; negligible, and not counted), and the concatenation and the casts keep shapes.
-      But its concatenation writes q in (batch, heads, positions) order, where the views of
-      the qkv product are in (batch, positions, heads) order, and attention's output takes
-      q's order: the ``transpose(1, 2).reshape`` before the output projection is then a
-      copy, which the projection keeps beside the output attention keeps (a d more);
-      QK-norm's elementwise ops keep q's order, so without the rotation that is a view;
-    * QK-norm (``wide * rsqrt(mean(wide ** 2) + eps)``, ``wide`` q or k in fp32) keeps
-      ``wide`` (the square's and the product's input) and the reciprocal RMS (4 bytes a
-      head, the product's other input), for q and for k: 2 (4 d + 4 heads). In fp32
-      ``wide`` is q itself, a view of the qkv product already counted: only the 8 bytes
-      a head remain. Under autocast it is a cast copy: 8 d more.
-
-    Rope alone: 3 a d. QK-norm alone: 2 a d + 8 heads + (8 d where ``a`` < 4); before the
-    rotation (whose input it makes, and which keeps none of it), the default, both:
-    3 a d + 8 heads + (8 d where ``a`` < 4). Compiled, Inductor's partitioner recomputes the
-    fp32 copies from the qkv product it keeps anyway, and keeps the rest: the 8 d go.
-    Measured on the CPU: eager in ``tests/test_planner.py`` (exact for every combination);
-    compiled, the default model's blocks over the plain model's, by the difference of 2-
-    and 3-block models at two batch sizes: 3 a d + 8 heads, in fp32 and in bf16. With
-    ``selective`` checkpointing the policy recomputes all of it (none is a matrix
-    product's or attention's output); with ``full`` the block keeps its inputs alone.
-    Every term is per head: 1/tp under tensor parallelism (the caller divides).
-    """
-    if not (config.rope or config.qk_norm):
-        return 0.0
-    a = ACTIVATION_BYTES[precision]
-    d = config.d_model
-    extra = 2.0 * a * d  # the new q and k that attention keeps
-    if config.rope:
-        extra += a * d  # attention's output in q's order: the projection's input a copy
-    if config.qk_norm:
-        extra += 2 * 4 * config.n_heads  # the reciprocal RMS of each head, q's and k's
-        if a < 4 and not compiled:
-            extra += 2 * 4 * d  # q's and k's fp32 copies
-    return extra
 
 
 def final_activation_bytes(config: ModelConfig, precision: str,
