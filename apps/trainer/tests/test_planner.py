@@ -224,11 +224,19 @@ def within(predicted: float, measured: float, bounds: tuple[float, float]) -> bo
     return low <= predicted / measured - 1 <= high
 
 
+#: The architectures the activation tests cover: the default (rotary positions and
+#: QK-norm), the learned position table with plain attention, and each option alone.
+DEFAULT_ARCH = {}
+PLAIN_ARCH = {"rope": False, "qk_norm": False}
+ARCHS = [DEFAULT_ARCH, PLAIN_ARCH, {"qk_norm": False}, {"rope": False}]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kw", [{}, {"ffn": "gelu"}, {"norm": "layernorm"},
                                 {"norm": "torch"}])
-def test_saved_activations_per_layer_are_the_planners(precision, kw):
-    c2, c3 = config(2, **kw), config(3, **kw)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_saved_activations_per_layer_are_the_planners(precision, kw, arch):
+    c2, c3 = config(2, **kw, **arch), config(3, **kw, **arch)
     layer, rest = per_token(lambda c, b: saved_bytes(c, precision, b), c2, c3)
     predicted = layer_activation_bytes(c2, precision, "none")
     assert within(predicted, layer, BLOCK_CLAIM[c2.norm]), (predicted / layer - 1)
@@ -238,8 +246,9 @@ def test_saved_activations_per_layer_are_the_planners(precision, kw):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["none", "full", "selective"])
-def test_activations_kept_with_checkpointing_are_the_planners(precision, kind):
-    c2, c3 = config(2), config(3)
+@pytest.mark.parametrize("arch", [DEFAULT_ARCH, PLAIN_ARCH])
+def test_activations_kept_with_checkpointing_are_the_planners(precision, kind, arch):
+    c2, c3 = config(2, **arch), config(3, **arch)
     layer, rest = per_token(lambda c, b: live_bytes(c, precision, b, kind), c2, c3)
     want = layer_activation_bytes(c2, precision, kind)
     assert within(want, layer, EXACT), (want / layer - 1)
@@ -248,8 +257,9 @@ def test_activations_kept_with_checkpointing_are_the_planners(precision, kind):
     assert within(predicted, total, TOTAL_CLAIM[kind]), (predicted / total - 1)
 
 
-def test_half_precision_weight_copies_are_kept_by_an_eager_forward():
-    c = config(3)
+@pytest.mark.parametrize("arch", [DEFAULT_ARCH, PLAIN_ARCH])
+def test_half_precision_weight_copies_are_kept_by_an_eager_forward(arch):
+    c = config(3, **arch)
     matmul = parameter_counts(c)["matmul"]
     x, y = _inputs(c, 2)
     copies = saved_bytes(c, "bf16", 2) - 2 * c.context_length * (

@@ -25,11 +25,12 @@ from lab2_trainer.planner.plan import (
 
 @pytest.mark.parametrize("preset", ["small", "2.7B", "13B"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_each_rank_holds_a_tp_th_of_the_matrices_and_tables(preset, tp):
-    c = model_config(preset)
+@pytest.mark.parametrize("rope", [True, False])
+def test_each_rank_holds_a_tp_th_of_the_matrices_and_tables(preset, tp, rope):
+    c = model_config(preset, rope=rope)
     whole, local = parameter_counts(c), rank_parameter_counts(c, tp)
-    replicated = c.context_length * c.d_model + whole["norms"] \
-        + c.n_layers * (whole["block"] - whole["block_matmul"])
+    table = 0 if rope else c.context_length * c.d_model  # the position table, whole
+    replicated = table + whole["norms"] + c.n_layers * (whole["block"] - whole["block_matmul"])
     assert local["total"] * tp == pytest.approx(whole["total"] + (tp - 1) * replicated)
     assert local["block_matmul"] * tp == whole["block_matmul"]
 
@@ -148,7 +149,7 @@ def test_the_memory_check_before_a_run_counts_each_rank_s_share(monkeypatch):
 
 
 def test_a_rank_s_count_has_no_position_table_under_rope():
-    plain, rope = model_config("small"), model_config("small", rope=True)
+    plain, rope = model_config("small", rope=False), model_config("small", rope=True)
     table = plain.context_length * plain.d_model
     for tp in (1, 2, 4):
         assert rank_parameter_counts(rope, tp)["total"] == \

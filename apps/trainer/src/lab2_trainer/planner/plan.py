@@ -91,6 +91,7 @@ from lab2_trainer.models.shapes import (
     training_state_parts,
 )
 from lab2_trainer.planner.muon import muon_step
+from lab2_trainer.planner.qk import qk_activation_bytes
 from lab2_trainer.recipe.layout import (
     DDP_KINDS,
     SELF_REDUCING,
@@ -285,6 +286,12 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
       by op, also keeps its normalised input (4 d more);
     * attention keeps q, k and v (the qkv product, 3 a d), its output (a d; also the
       projection's input) and the log-sum-exp (4 bytes a head);
+    * rotary positions and QK-norm (``rope``, ``qk_norm``;
+      :func:`lab2_trainer.planner.qk.qk_activation_bytes`) add the q and k attention then
+      takes, their own tensors (2 a d); with rope the output projection's input, then a
+      copy of attention's output (a d); with QK-norm the fp32 copies of q and k its
+      product keeps (8 d, where ``a`` is 2, eager only) and the fp32 reciprocal RMS of
+      each head (8 bytes a head);
     * SwiGLU keeps w1's and w3's outputs, SiLU's output and the product (4 a d_ff); GELU
       w1's output and GELU's (2 a d_ff). Compiled, Inductor's partitioner recomputes some
       of the elementwise work: SwiGLU keeps 3 a d_ff (a fit to measured peaks: the
@@ -315,7 +322,7 @@ def layer_activation_bytes(config: ModelConfig, precision: str, checkpointing: s
         return (4 + 2 * a) * d * stream + 4 * a * d / tp + mlp_products + lse + gathered
     norm_extra = 4 * d if config.norm == "torch" else 0
     norms = 2 * (4 * d + a * d + norm_extra) * stream
-    attention = (3 * a * d + a * d) / tp + lse
+    attention = (3 * a * d + a * d + qk_activation_bytes(config, a, compiled)) / tp + lse
     if compiled and config.ffn == "swiglu":
         mlp = 3 * a * f / tp
     else:
