@@ -23,3 +23,15 @@ def bare_trainer_state(settings: Any, optimizer: torch.optim.Optimizer, step: in
             "step": step, "sampler": {"seed": 0, "draws": step}, "data": {},
             "rng": rng_state(torch.device("cpu")), "scaler": None, "world_size": world_size,
             "gradient_order": None}
+
+
+def same_model_and_optimizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two whole checkpoints (``lab2-train export``'s or a single file's layout:
+    ``model`` and ``optimizer`` state dicts) hold the same model and optimizer state bit
+    for bit."""
+    if a["model"].keys() != b["model"].keys() or any(
+            not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
+        return False
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

@@ -286,7 +286,8 @@ def test_the_planner_counts_one_momentum_buffer_for_muons_matrices():
 
 
 def test_tiny_trains_with_muon_unless_the_layout_cuts_its_matrices(tmp_path):
-    """Every run takes Muon as the recipe's default (recipe.defaults); a flag wins, and --sharding fsdp or --tp > 1 leave it AdamW instead of refusing."""
+    """Every run takes Muon as the recipe's default (recipe.defaults); a flag wins, and
+    --sharding fsdp or --tp > 1 leave it AdamW instead of refusing."""
     from lab2_trainer.cli.main import build_parser, given_settings, resolve_settings
 
     def new_run(argv):

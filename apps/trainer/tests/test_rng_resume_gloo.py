@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lab2_testing.dist import run_ranks
+from lab2_testing.trainer_state import same_model_and_optimizer
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.checkpoint.folders import (
     MANIFEST,
@@ -115,16 +116,6 @@ def exported(folder: Path, target: Path) -> dict:
     return torch.load(target, weights_only=True)
 
 
-def same_state(a: dict, b: dict) -> bool:
-    """Model and AdamW state equal bit for bit."""
-    if a["model"].keys() != b["model"].keys() or any(
-            not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
-        return False
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
-
-
 def groups(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
     """(the ranks of each data-parallel index, one rank of each data-parallel index)."""
     by_dp = [list(range(d * tp, (d + 1) * tp)) for d in range(world_size // tp)]
@@ -142,8 +133,9 @@ def test_a_resume_with_dropout_is_the_uninterrupted_run(world_size, tp, corpus_d
     straight, resumed = losses(out / "straight"), losses(out / "resumed")
     assert sorted(resumed) == [3, 4]
     assert all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
-    assert same_state(exported(step_folder(out / "straight", 4), tmp_path / "a.pt"),
-                      exported(step_folder(out / "resumed", 4), tmp_path / "b.pt"))
+    assert same_model_and_optimizer(
+        exported(step_folder(out / "straight", 4), tmp_path / "a.pt"),
+        exported(step_folder(out / "resumed", 4), tmp_path / "b.pt"))
     small = load_trainer_state(step_folder(out / "half", 2))
     assert small[KEY]["world_size"] == world_size and small[KEY]["tp"] == tp
     assert torch.equal(small[KEY]["ranks"][0]["cpu"], small["rng"]["cpu"])

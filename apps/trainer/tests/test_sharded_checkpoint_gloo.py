@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lab2_testing.dist import run_ranks
-from lab2_testing.trainer_state import bare_trainer_state
+from lab2_testing.trainer_state import bare_trainer_state, same_model_and_optimizer
 from lab2_trainer.checkpoint.export import export
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.runtime.launch import DistContext
@@ -88,14 +88,8 @@ def whole(folder, tmp_path: Path) -> dict:
 
 def same_state(a: dict, b: dict) -> bool:
     """Model, AdamW state, step and data position equal bit for bit."""
-    if a["step"] != b["step"] or a["sampler"] != b["sampler"]:
-        return False
-    if a["model"].keys() != b["model"].keys() or any(
-            not torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
-        return False
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    return (a["step"], a["sampler"]) == (b["step"], b["sampler"]) and \
+        same_model_and_optimizer(a, b)
 
 
 def test_every_kind_saves_and_loads_at_every_world_size(world_size, corpus_dir, tmp_path):
