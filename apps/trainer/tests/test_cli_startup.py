@@ -48,8 +48,8 @@ def test_the_runtime_imports_no_benchmark_package():
 
 
 def test_the_training_loop_imports_no_checkpoint_machinery():
-    """A run's start-up leaves ``torch.distributed.checkpoint`` (and the DTensor it imports)
-    to its first save or load: importing the training loop does not import it."""
+    """A run's start-up leaves ``torch.distributed.checkpoint`` to its first save or load:
+    importing the training loop does not import it."""
     import subprocess
     import sys
 

@@ -382,7 +382,7 @@ def write_share(ranges: list[Range]) -> list[Part]:
 def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> None:
     """Fill every part's ``data`` from a checkpoint (a collective over the group, or one
     process without ``torch.distributed``)."""
-    # Here, not at the top: DCP (and the DTensor it imports) is a second of a run's start-up.
+    # Here, not at the top: a run's start-up needs no DCP before its first save or load.
     import torch.distributed.checkpoint as dcp
 
     from lab2_trainer.checkpoint.planners import PartLoadPlanner
@@ -395,7 +395,7 @@ def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> Non
 
 def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> Any:
     """Write every part (a collective over the group); returns DCP's metadata."""
-    # Here, not at the top: DCP (and the DTensor it imports) is a second of a run's start-up.
+    # Here, not at the top: a run's start-up needs no DCP before its first save or load.
     import torch.distributed.checkpoint as dcp
 
     from lab2_trainer.checkpoint.planners import PartSavePlanner

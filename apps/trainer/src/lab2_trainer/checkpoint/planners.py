@@ -9,8 +9,8 @@ flat view that hold it (:func:`~lab2_trainer.checkpoint.boxes.flat_ranges`).
 
 A module of their own, imported only when a checkpoint is written or read
 (:func:`~lab2_trainer.checkpoint.parts.read_parts`,
-:func:`~lab2_trainer.checkpoint.parts.write_parts`): importing DCP, and the DTensor it
-imports, costs a run's start-up about a second.
+:func:`~lab2_trainer.checkpoint.parts.write_parts`), so that a run's start-up does not
+import DCP.
 """
 
 from __future__ import annotations
