@@ -45,3 +45,18 @@ def test_the_runtime_imports_no_benchmark_package():
          "('torch', 'numpy', 'rich', 'matplotlib', 'psutil')))"],
         capture_output=True, text=True, timeout=300)
     assert shared.returncode == 0 and shared.stdout.strip() == "[]", shared
+
+
+def test_the_training_loop_imports_no_checkpoint_machinery():
+    """A run's start-up leaves ``torch.distributed.checkpoint`` to its first save or load:
+    importing the training loop does not import it."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; import lab2_trainer.training.loop; "
+         "print(sorted(m for m in sys.modules if m.startswith("
+         "('torch.distributed.checkpoint', 'lab2_trainer.checkpoint.planners'))))"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout

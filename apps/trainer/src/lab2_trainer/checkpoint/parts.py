@@ -44,8 +44,10 @@ and they share its writing as replicas do (``copies``). A new kind adds its rang
 
 A range is written and read as the boxes of the whole tensor it is
 (:meth:`Range.parts`, :mod:`lab2_trainer.checkpoint.boxes`), each a :class:`Part`. DCP is
-told about them by a small save planner (:class:`PartSavePlanner`: one ``WriteItem`` per
-box) and reads them back through a load planner (:class:`PartLoadPlanner`) that asks for
+told about them by a small save planner
+(:class:`~lab2_trainer.checkpoint.planners.PartSavePlanner`: one ``WriteItem`` per box) and
+reads them back through a load planner
+(:class:`~lab2_trainer.checkpoint.planners.PartLoadPlanner`) that asks for
 exactly the boxes this rank holds; DCP's resharding (``create_read_items_for_chunk_list``)
 finds them among whatever boxes the saving ranks wrote. So a checkpoint loads at any
 world size, under any kind and at any ``--tp``. A checkpoint of manifest version 1
@@ -66,23 +68,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lab2_trainer.checkpoint.boxes import Cut, flat_ranges
+from lab2_trainer.checkpoint.boxes import Cut
 from lab2_trainer.config import UsageError
 from lab2_trainer.runtime.paths import open_regular
 
@@ -392,81 +379,13 @@ def write_share(ranges: list[Range]) -> list[Part]:
             for part in mine.parts()]
 
 
-# ------------------------------------------------------------------------ DCP planners
-def _where(key: str, offsets: Any) -> tuple[str, tuple[int, ...]]:
-    return key, tuple(int(o) for o in offsets)
-
-
-class PartSavePlanner(DefaultSavePlanner):
-    """Writes each :class:`Part` as a box of its whole tensor."""
-
-    def __init__(self, parts: list[Part]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.parts = {_where(p.key, p.offsets): p for p in parts}
-        if len(self.parts) != len(parts):
-            raise ValueError("two parts of one tensor at one place on one rank")
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for p in self.parts.values():
-            offsets = torch.Size(p.offsets)
-            items.append(WriteItem(
-                index=MetadataIndex(p.key, offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=p.data.size()),
-                    # The dtype only: a staged copy's pinned memory is not the tensor's.
-                    properties=TensorProperties(dtype=p.data.dtype),
-                    size=torch.Size(p.size))))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.parts[_where(index.fqn, index.offset)].data
-
-
-class PartLoadPlanner(DefaultLoadPlanner):
-    """Reads into each :class:`Part`'s ``data`` the box of the saved tensor it covers, from
-    whichever boxes the saving ranks wrote; from a checkpoint of manifest version 1 (each
-    tensor stored as its flat view), from the ranges of that view that hold it."""
-
-    def __init__(self, parts: list[Part]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.parts = parts
-        self.targets: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-
-    def create_local_plan(self) -> LoadPlan:
-        saved = self.metadata.state_dict_metadata
-        requests = []
-        for p in self.parts:
-            md = saved.get(p.key)
-            if not isinstance(md, TensorStorageMetadata):
-                raise ValueError(f"the checkpoint has no tensor {p.key}")
-            stored = tuple(md.size)
-            if stored == p.size:
-                wanted = [(p.offsets, p.data)]
-            elif stored == (math.prod(p.size),):  # manifest version 1: the flat view
-                flat = p.data.view(-1)
-                wanted = [((start,), flat[at:at + n])
-                          for start, n, at in flat_ranges(p.size, p.offsets, p.data.shape)]
-            else:
-                raise ValueError(f"tensor {p.key} is {list(stored)} in the checkpoint, "
-                                 f"{list(p.size)} here")
-            for offsets, data in wanted:
-                if not data.numel():
-                    continue
-                self.targets[_where(p.key, offsets)] = data
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=data.size())
-                requests += create_read_items_for_chunk_list(p.key, md, [chunk])
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.targets[_where(index.fqn, index.offset)]
-
-
 def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> None:
     """Fill every part's ``data`` from a checkpoint (a collective over the group, or one
     process without ``torch.distributed``)."""
+    # Here, not at the top: a run's start-up needs no DCP before its first save or load.
     import torch.distributed.checkpoint as dcp
+
+    from lab2_trainer.checkpoint.planners import PartLoadPlanner
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
@@ -476,7 +395,10 @@ def read_parts(parts: list[Part], reader: Any, process_group: Any = None) -> Non
 
 def write_parts(parts: list[Part], writer: Any, process_group: Any = None) -> Any:
     """Write every part (a collective over the group); returns DCP's metadata."""
+    # Here, not at the top: a run's start-up needs no DCP before its first save or load.
     import torch.distributed.checkpoint as dcp
+
+    from lab2_trainer.checkpoint.planners import PartSavePlanner
 
     distributed = dist.is_available() and dist.is_initialized()
     with _alone_is_meant(distributed):
