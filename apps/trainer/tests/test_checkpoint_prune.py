@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab2_trainer.checkpoint import writer as checkpoint_writer
 from lab2_trainer.checkpoint.folders import (
     MANIFEST,
     complete_steps,
@@ -113,16 +112,9 @@ def test_a_run_resumed_from_an_older_step_keeps_its_own_last_saves(run_to_8, cor
 
 
 def test_the_folder_resumed_from_stays_until_a_newer_save_is_complete(
-        run_to_8, corpus_dir, tmp_path, monkeypatch):
+        run_to_8, corpus_dir, tmp_path, disk_full_at):
     out = copied(run_to_8, tmp_path)
-    real_write = checkpoint_writer.write_parts
-
-    def disk_full_at_5(parts, writer, group):
-        if "step-000005" in str(writer.path):
-            raise OSError(28, "No space left on device")
-        return real_write(parts, writer, group)
-
-    monkeypatch.setattr(checkpoint_writer, "write_parts", disk_full_at_5)
+    disk_full_at(5)
     trainer = Trainer(settings(corpus_dir, out, steps=8, ckpt_every=1, keep_last=1,
                                ckpt_async=True, resume=str(step_folder(out / "ckpt", 4))),
                       DistContext())

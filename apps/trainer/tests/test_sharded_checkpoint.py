@@ -258,15 +258,8 @@ def test_export_loads_into_a_plain_model_and_adamw_and_resumes(corpus_dir, tmp_p
 
 
 def test_a_failed_background_write_is_one_line_and_training_goes_on(corpus_dir, tmp_path,
-                                                                    monkeypatch, capsys):
-    real_write = checkpoint_writer.write_parts
-
-    def disk_full_once(parts, writer, group):
-        if "step-000002" in str(writer.path):
-            raise OSError(28, "No space left on device")
-        return real_write(parts, writer, group)
-
-    monkeypatch.setattr(checkpoint_writer, "write_parts", disk_full_once)
+                                                                    disk_full_at, capsys):
+    disk_full_at(2)
     trainer = Trainer(settings(corpus_dir, tmp_path / "run"), DistContext())
     trainer.run()
     err = capsys.readouterr().err.strip().splitlines()
