@@ -16,8 +16,10 @@ where test modules are not importable by name. Arguments and results travel as
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lab2_testing.modules import load_path
@@ -82,3 +84,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise
     except RankError as exc:
         raise RankFailed(str(exc), exc.kind, exc.ranks, exc.detail) from None
+
+
+def runs_per_world_size(fn: Callable[..., Any], *args: Any, root: Path,
+                        timeout: float) -> Callable[[int], list[Any]]:
+    """``run(world_size)``: :func:`run_ranks` of ``fn(rank, world_size, *args, folder)``,
+    ``folder`` being ``root / "ws<world_size>"`` (as a string), run once per world size and
+    remembered, for a module's tests that each read their part of one run. ``run.root`` is
+    ``root``."""
+
+    @functools.cache
+    def run(world_size: int) -> list[Any]:
+        return run_ranks(fn, world_size, *args, str(root / f"ws{world_size}"),
+                         timeout=timeout)
+
+    run.root = root  # type: ignore[attr-defined]
+    return run

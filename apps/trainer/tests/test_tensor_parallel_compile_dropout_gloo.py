@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lab2_testing.ddp_testkit import relative_error
-from lab2_testing.dist import run_ranks
+from lab2_testing.dist import run_ranks, runs_per_world_size
 from lab2_testing.lm import random_windows
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -173,15 +173,8 @@ def _rank(rank, world_size, data, out):
 
 @pytest.fixture(scope="module")
 def spawned(corpus_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tpcd")
-
-    @functools.cache
-    def run(world_size: int) -> list[dict]:
-        return run_ranks(_rank, world_size, str(corpus_dir), str(root / f"ws{world_size}"),
-                         timeout=600)
-
-    run.root = root
-    return run
+    return runs_per_world_size(_rank, str(corpus_dir),
+                               root=tmp_path_factory.mktemp("tpcd"), timeout=600)
 
 
 @functools.cache

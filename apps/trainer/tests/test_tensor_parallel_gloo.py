@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from lab2_testing.ddp_testkit import relative_error
-from lab2_testing.dist import run_ranks
+from lab2_testing.dist import runs_per_world_size
 from lab2_testing.lm import random_windows
 from lab2_trainer.config import ModelConfig, TrainSettings
 from lab2_trainer.models.transformer import TransformerLM
@@ -197,15 +197,8 @@ def _rank(rank, world_size, data, out):
 @pytest.fixture(scope="module")
 def spawned(corpus_dir, tmp_path_factory):
     """``spawned(world_size)``: every rank's results, run once per world size."""
-    root = tmp_path_factory.mktemp("tp")
-
-    @functools.cache
-    def run(world_size: int) -> list[dict]:
-        return run_ranks(_rank, world_size, str(corpus_dir), str(root / f"ws{world_size}"),
-                         timeout=420)
-
-    run.root = root
-    return run
+    return runs_per_world_size(_rank, str(corpus_dir),
+                               root=tmp_path_factory.mktemp("tp"), timeout=420)
 
 
 @functools.cache
