@@ -97,6 +97,17 @@ def test_fp8_throughput_interleaves_the_precisions_on_the_cpu(tmp_path):
     assert "A/A control bf16#2" in done.stdout
 
 
+def test_rope_table_interleaves_the_table_and_the_computed_angles_on_the_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "rope_table.py"), "--device", "cpu", "--rounds", "2",
+         "--window", "1", "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_records(tmp_path / "rope_table.jsonl")
+    assert [r["config"]["variant"] for r in records] == ["table", "computed", "table#2"]
+    assert records[0]["metrics"]["ratio"] == 1 and "A/A control table#2" in done.stdout
+
+
 def test_fp8_throughput_refuses_an_unknown_variant():
     done = subprocess.run([sys.executable, str(SCRIPTS / "fp8_throughput.py"), "--device",
                            "cpu", "--variants", "bf16", "fp4"], capture_output=True, text=True,

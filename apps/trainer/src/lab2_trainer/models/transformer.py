@@ -134,18 +134,36 @@ def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, start: int, base: float = 10000.0) -> torch.Tensor:
+def rope_table(length: int, head_dim: int, base: float = 10000.0, device=None,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The cosines and sines of the rotary angles of positions ``0 .. length - 1``,
+    ``(length, head_dim)``: the cosines in the first half of each row, the sines in the
+    second; column ``i`` of a half is the angle ``p * base ** (-2 i / head_dim)``. Made in
+    float64 on the CPU, returned in ``dtype`` on ``device``."""
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    angle = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angle.cos(), angle.sin()], dim=-1).to(device=device, dtype=dtype)
+
+
+def rotate(x: torch.Tensor, start: int, table: torch.Tensor | None = None,
+           base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, heads, T, head_dim) at positions ``start`` on:
     the pair (x[i], x[i + head_dim / 2]) of position p turned by the angle
-    ``p * base ** (-2 i / head_dim)``. Computed in float32 at least, returned in x's dtype;
-    the angles are made here (a few kernels) rather than held in a buffer, so the module
-    keeps no state that sharding, meta construction or a checkpoint would have to carry."""
+    ``p * base ** (-2 i / head_dim)``. Computed in float32 at least, returned in x's dtype.
+
+    ``table``: :func:`rope_table` of at least ``start + T`` positions (made here without
+    one). Passing it matters when compiled: Inductor fuses the making of the angles into
+    the rotation's elementwise kernel, where each of the B x heads x T x head_dim elements
+    then computes its own power, cosine and sine; from a table each loads two floats. At
+    ``small`` 32 x 512 on an H100 that was 11.7 of a 48.6 ms step
+    (apps/trainer/docs/benchmarks/2026-12-06-h100-rope-table.md)."""
+    t = x.shape[-2]
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
-    half = x.shape[-1] // 2
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=wide_dtype) / half)
-    pos = torch.arange(start, start + x.shape[-2], device=x.device, dtype=wide_dtype)
-    angle = pos[:, None] * inv_freq[None, :]
-    cos, sin = angle.cos(), angle.sin()
+    if (table is None or table.shape[0] < start + t
+            or torch.finfo(table.dtype).bits < torch.finfo(wide_dtype).bits):
+        table = rope_table(start + t, x.shape[-1], base, x.device, wide_dtype)
+    cos, sin = table[start:start + t].to(wide_dtype).chunk(2, dim=-1)
     x1, x2 = x.to(wide_dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -180,6 +198,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.kv: LayerKV | None = None
+        if self.rope:
+            # The rotation's cosines and sines for the context (:func:`rope_table`), filled
+            # by :meth:`reset_rope`; not part of the state dict (made from the shape). In
+            # float64, so that a float64 model rotates exactly; a float32 computation
+            # reads it cast, in the same kernel.
+            self.register_buffer("rope_cos_sin", torch.empty(
+                config.context_length, config.head_dim, dtype=torch.float64),
+                persistent=False)
+
+    def reset_rope(self) -> None:
+        """Fill the rotation's table (after the module got storage on its device)."""
+        if self.rope:
+            table = self.rope_cos_sin
+            table.copy_(rope_table(table.shape[0], table.shape[1], device=table.device,
+                                   dtype=table.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Sizes from the projection's output, not from x: under tensor parallelism it holds
@@ -195,7 +228,8 @@ class CausalSelfAttention(nn.Module):
             q, k = rms_normalise(q, self.qk_norm_eps), rms_normalise(k, self.qk_norm_eps)
         if self.rope:
             start = 0 if self.kv is None else self.kv.owner.length
-            q, k = rotate(q, start), rotate(k, start)
+            table = self.rope_cos_sin
+            q, k = rotate(q, start, table), rotate(k, start, table)
         if self.kv is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -398,6 +432,9 @@ class TransformerLM(nn.Module):
         gen.manual_seed(seed)
         std = init_stds(self.config.d_model, self.config.n_layers,
                         tied=self.config.tie_embeddings)
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.reset_rope()
         seen: set[int] = set()
         for name, param in self.named_parameters():  # named_parameters skips tied duplicates
             if id(param) in seen:
