@@ -115,6 +115,21 @@ def test_attention_matches_a_float64_reference(rope, qk_norm):
 
 
 @settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), start=st.integers(0, 11))
+def test_the_rope_table_rotates_as_the_angles_made_on_the_fly(seed, start):
+    m = TransformerLM(ModelConfig(**SHAPE, rope=True), seed=seed)  # built on meta, filled
+    table = m.blocks[1].attn.rope_cos_sin
+    assert table.dtype == torch.float64 and tuple(table.shape) == (12, 6)
+    assert not any("rope" in name for name in m.state_dict())  # made from the shape
+    x = torch.randn(2, 4, 12 - start, 6, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(seed))
+    assert rel(rotate(x, start, table), rotate(x, start)) < 1e-15
+    # A float32 rotation reads the float64 table cast; past its end the angles are made.
+    assert rel(rotate(x.float(), start, table).double(), rotate(x, start)) < 1e-6
+    assert rel(rotate(x, start + 3, table), rotate(x, start + 3)) < 1e-15
+
+
+@settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), shift=st.integers(1, 50))
 def test_rope_scores_depend_only_on_the_distance(seed, shift):
     gen = torch.Generator().manual_seed(seed)

@@ -138,12 +138,13 @@ def rope_table(length: int, head_dim: int, base: float = 10000.0, device=None,
                dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The cosines and sines of the rotary angles of positions ``0 .. length - 1``,
     ``(length, head_dim)``: the cosines in the first half of each row, the sines in the
-    second; column ``i`` of a half is the angle ``p * base ** (-2 i / head_dim)``. Made in
-    float64 on the CPU, returned in ``dtype`` on ``device``."""
+    second; column ``i`` of a half is the angle ``p * base ** (-2 i / head_dim)``. Computed
+    in ``dtype`` on ``device``."""
     half = head_dim // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) / half)
-    angle = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angle.cos(), angle.sin()], dim=-1).to(device=device, dtype=dtype)
+    inv_freq = base ** (-torch.arange(half, device=device, dtype=dtype) / half)
+    pos = torch.arange(length, device=device, dtype=dtype)
+    angle = pos[:, None] * inv_freq[None, :]
+    return torch.cat([angle.cos(), angle.sin()], dim=-1)
 
 
 def rotate(x: torch.Tensor, start: int, table: torch.Tensor | None = None,
