@@ -119,12 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for fp8_throughput.jsonl and .md")
     args = p.parse_args(argv)
     harness.check_names(p, "variant", args.variants, KINDS)
-    if min(args.batch_size, args.context_length, args.rounds, args.window) < 1 or args.warmup < 0:
-        p.error("--batch-size, --context-length, --rounds and --window must be >= 1, "
-                "--warmup >= 0")
+    harness.check_paired_options(p, args, "the plumbing, float8 emulated")
     on_gpu = args.device == "cuda"
-    if on_gpu and not torch.cuda.is_available():
-        p.error("no CUDA GPU (--device cpu runs the plumbing, float8 emulated)")
     if on_gpu:
         from lab2_trainer.models.float8 import device_problem
 

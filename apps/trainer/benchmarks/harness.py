@@ -175,6 +175,18 @@ def check_names(p: argparse.ArgumentParser, what: str, names: Iterable[str],
 
 
 # ----------------------------------------------------------------------- workload
+def check_paired_options(p: argparse.ArgumentParser, args: argparse.Namespace,
+                         cpu_note: str) -> None:
+    """Exit through ``p.error`` on a one-GPU paired-window script's bad sizes
+    (``--batch-size``, ``--context-length``, ``--rounds``, ``--window``, ``--warmup``) or
+    on ``--device cuda`` without a GPU (``cpu_note``: what ``--device cpu`` runs instead)."""
+    if min(args.batch_size, args.context_length, args.rounds, args.window) < 1 or args.warmup < 0:
+        p.error("--batch-size, --context-length, --rounds and --window must be >= 1, "
+                "--warmup >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"no CUDA GPU (--device cpu runs {cpu_note})")
+
+
 def build_config(preset: str, *, context_length: int, vocab_size: int | None = None,
                  norm: str | None = None) -> ModelConfig:
     """The configuration of ``preset`` (a trainer preset or ``micro``) at the benchmark's

@@ -59,12 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: the micro model, eager (plumbing only)")
     p.add_argument("--out", default=None, help="folder for rope_table.jsonl and .md")
     args = p.parse_args(argv)
-    if min(args.batch_size, args.context_length, args.rounds, args.window) < 1 or args.warmup < 0:
-        p.error("--batch-size, --context-length, --rounds and --window must be >= 1, "
-                "--warmup >= 0")
+    harness.check_paired_options(p, args, "the plumbing")
     on_gpu = args.device == "cuda"
-    if on_gpu and not torch.cuda.is_available():
-        p.error("no CUDA GPU (--device cpu runs the plumbing)")
     device = harness.single_rank_group(on_gpu)
     preset = args.preset if on_gpu else "micro"
     context = args.context_length if on_gpu else 16
