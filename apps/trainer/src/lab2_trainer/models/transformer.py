@@ -134,17 +134,23 @@ def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope_table(length: int, head_dim: int, base: float = 10000.0, device=None,
-               dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The cosines and sines of the rotary angles of positions ``0 .. length - 1``,
-    ``(length, head_dim)``: the cosines in the first half of each row, the sines in the
-    second; column ``i`` of a half is the angle ``p * base ** (-2 i / head_dim)``. Computed
-    in ``dtype`` on ``device``."""
+def rope_angles(start: int, length: int, head_dim: int, base: float = 10000.0, device=None,
+                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and the sines of the rotary angles of positions ``start .. start +
+    length - 1``, each ``(length, head_dim / 2)``: column ``i`` is the angle
+    ``p * base ** (-2 i / head_dim)``. Computed in ``dtype`` on ``device``."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, device=device, dtype=dtype) / half)
-    pos = torch.arange(length, device=device, dtype=dtype)
+    pos = torch.arange(start, start + length, device=device, dtype=dtype)
     angle = pos[:, None] * inv_freq[None, :]
-    return torch.cat([angle.cos(), angle.sin()], dim=-1)
+    return angle.cos(), angle.sin()
+
+
+def rope_table(length: int, head_dim: int, base: float = 10000.0, device=None,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """:func:`rope_angles` of positions ``0 .. length - 1`` as one ``(length, head_dim)``
+    table: the cosines in the first half of each row, the sines in the second."""
+    return torch.cat(rope_angles(0, length, head_dim, base, device, dtype), dim=-1)
 
 
 def rotate(x: torch.Tensor, start: int, table: torch.Tensor | None = None,
@@ -161,10 +167,11 @@ def rotate(x: torch.Tensor, start: int, table: torch.Tensor | None = None,
     (apps/trainer/docs/benchmarks/2026-12-06-h100-rope-table.md)."""
     t = x.shape[-2]
     wide_dtype = torch.promote_types(x.dtype, torch.float32)
-    if (table is None or table.shape[0] < start + t
-            or torch.finfo(table.dtype).bits < torch.finfo(wide_dtype).bits):
-        table = rope_table(start + t, x.shape[-1], base, x.device, wide_dtype)
-    cos, sin = table[start:start + t].to(wide_dtype).chunk(2, dim=-1)
+    if (table is not None and table.shape[0] >= start + t
+            and torch.finfo(table.dtype).bits >= torch.finfo(wide_dtype).bits):
+        cos, sin = table[start:start + t].to(wide_dtype).chunk(2, dim=-1)
+    else:
+        cos, sin = rope_angles(start, t, x.shape[-1], base, x.device, wide_dtype)
     x1, x2 = x.to(wide_dtype).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
