@@ -21,8 +21,8 @@ def qk_activation_bytes(config: ModelConfig, a: int, compiled: bool = False) -> 
       option q and k are new tensors that attention keeps (2 a d); v still keeps the
       whole qkv product alive;
     * the rotation keeps nothing that grows with the batch: its products of q's halves by
-      the cosines and sines keep only those tables (positions x head_dim, recomputed per
-      call; negligible, and not counted), and the concatenation and the casts keep shapes.
+      the cosines and sines keep only those tables (positions x head_dim, slices of the
+      model's table; negligible, and not counted), and the concatenation and the casts keep shapes.
       But its concatenation writes q in (batch, heads, positions) order, where the views of
       the qkv product are in (batch, positions, heads) order, and attention's output takes
       q's order: the ``transpose(1, 2).reshape`` before the output projection is then a
