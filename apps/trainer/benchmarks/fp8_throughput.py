@@ -33,7 +33,6 @@ no meaningful times.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 
 import harness
@@ -51,14 +50,6 @@ COLUMNS = ["variant", "median_ms", "min_ms", "tokens_per_s", "ratio", "ratio_q1"
            "predicted_ratio"]
 
 
-def shared_copy(base: torch.nn.Module) -> torch.nn.Module:
-    """A module tree of its own around ``base``'s very ``Parameter`` objects: a float8
-    conversion or a compilation of the copy leaves ``base`` as it is, and an optimizer over
-    ``base``'s parameters steps the copy too."""
-    memo = {id(p): p for p in base.parameters()}
-    return copy.deepcopy(base, memo)
-
-
 def build_variants(base: torch.nn.Module, names: list[str], device: torch.device,
                    compile_spec: dict | None) -> dict[str, tuple]:
     """Each distinct variant set up once (``harness.setup``: ``parallelize`` with the
@@ -69,7 +60,7 @@ def build_variants(base: torch.nn.Module, names: list[str], device: torch.device
         kind = harness.kind_of(name)
         if kind in built:
             continue
-        model = base if kind == "bf16" else shared_copy(base)
+        model = base if kind == "bf16" else harness.shared_copy(base)
         recipe = None if kind == "bf16" else kind
         variant = harness.setup(model, "none", device, compile=compile_spec, float8=recipe)
         # One AdamW state for every variant (created at its first step): the first's.

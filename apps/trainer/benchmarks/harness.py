@@ -437,6 +437,15 @@ def fresh_copy(base: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(base).to(device)
 
 
+def shared_copy(base: nn.Module) -> nn.Module:
+    """A module tree of its own around ``base``'s very ``Parameter`` objects: a float8
+    conversion, a compilation or a changed attribute of the copy leaves ``base`` as it is,
+    and an optimizer over ``base``'s parameters steps the copy too (one-GPU variants that
+    share one model's training state)."""
+    memo = {id(p): p for p in base.parameters()}
+    return copy.deepcopy(base, memo)
+
+
 def measure_variants(rank: int, spec: RankSpec, build: Callable[[str], Parallel],
                      batches: list, *, after_variant: Callable | None = None,
                      on_first_step: Callable | None = None) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,6 @@ import functools
 import harness
 import torch
 import torch.distributed as dist
-from fp8_throughput import shared_copy
 
 from lab2_trainer.config import PRESETS
 from lab2_trainer.models.transformer import CausalSelfAttention
@@ -38,7 +37,7 @@ COLUMNS = ["variant", "median_ms", "min_ms", "tokens_per_s", "ratio", "ratio_q1"
 def without_table(base: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``base`` around its very parameters whose attention layers make their
     rotary angles in their forward (no table)."""
-    model = shared_copy(base)
+    model = harness.shared_copy(base)
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             module.rope_cos_sin = None
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             count[0] += 1
             harness.step_marks(built[kind], batches[count[0] % 2], precision, device)
 
-        names = ["table", "computed", "table#2"]
+        names = [*KINDS, "table#2"]
         steps = {name: functools.partial(step, harness.kind_of(name)) for name in names}
         result = paired_windows(steps, rounds=args.rounds, window=args.window, device=device,
                                 warmup=args.warmup)
