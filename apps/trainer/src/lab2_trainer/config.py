@@ -329,6 +329,9 @@ class TrainSettings:
                                "standard-library sources")
     """Text file, folder, .npy/.bin token array, or python-env: every .py source of this
     Python (standard library and site-packages), validated on the default corpus's split."""
+    stdlib_share: float = setting(0.0, group="data", metavar="SHARE")
+    """Share of training windows drawn from the standard library's training split instead of
+    --data's (python-env: toward the validation split's kind of text); 0: none."""
     vocab_size: int | None = setting(None, flag=False)
     """Vocabulary of a token-array corpus (None: bytes); ``--vocab-size`` sets it and the
     model's."""
@@ -557,6 +560,7 @@ class TrainSettings:
     def check(self) -> None:
         """Each setting in its range, in field order; ``ValueError`` with one line naming
         the first bad one by its flag."""
+        _number(flag("stdlib_share"), self.stdlib_share, lambda v: 0 <= v < 1, "in [0, 1)")
         _integer(flag("vocab_size"), self.vocab_size, 1)
         for name in ("steps", "batch_size", "grad_accum"):
             _integer(flag(name), getattr(self, name), 1)
@@ -617,6 +621,10 @@ class TrainSettings:
         self.check()
         self.check_tp(world_size)
         _refuse(muon_problem(self.optimizer, self.sharding, self.tp))
+        # Here, not at the top: the corpus module imports this one (UsageError).
+        from lab2_trainer.data.corpus import stdlib_share_problem
+
+        _refuse(stdlib_share_problem(self.stdlib_share, self.data))
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")
         _refuse(layout_problem(self.sharding, self.ddp, self.precision, world_size,

@@ -264,7 +264,7 @@ def resolve_settings(given: tuple[dict[str, Any], dict[str, Any]], device_type: 
     check_batch_layout(settings.batch_size, settings.data_parallel_size(world_size),
                        settings.grad_accum)
     check_fp8(settings, world_size, device_type)
-    corpus = load_corpus(settings.data, settings.vocab_size)
+    corpus = load_corpus(settings.data, settings.vocab_size, settings.stdlib_share)
     if corpus.vocab_size != settings.model.vocab_size:
         raise UsageError(f"the data has vocabulary {corpus.vocab_size}, the model "
                          f"{settings.model.vocab_size}: pass --vocab-size")

@@ -12,6 +12,10 @@ batch s + 1 once step s's work is queued, while the GPU runs it, with an asynchr
 (``BatchSampler.next_local`` pins the host memory), so it is on the device by the time it
 is needed. Prefetching draws one batch ahead of training, so the sampler's own position is
 one too far for a checkpoint: :meth:`Prefetcher.state_dict` reports the batches handed out.
+
+A sampler may also mix streams (``--stdlib-share``): each window of a batch comes from a
+mixed-in stream with that stream's share as its probability, from the main one otherwise,
+still a function of (seed, draw) alone.
 """
 
 from __future__ import annotations
@@ -34,31 +38,53 @@ class BatchSampler:
         context_length: input length T; each window holds T + 1 tokens.
         batch_size: windows per draw (the global batch).
         seed: stream seed.
+        mix: ``(tokens, share)`` pairs: streams mixed in, each window drawn from one with
+            probability ``share`` (the shares sum below 1), from ``tokens`` otherwise.
+            Without a mix the windows are exactly those of a sampler that has none.
     """
 
-    def __init__(self, tokens: np.ndarray, context_length: int, batch_size: int, seed: int) -> None:
-        if len(tokens) < context_length + 1:
-            raise DataError(
-                f"{len(tokens)} tokens cannot fill one window of "
-                f"context_length {context_length} + 1"
-            )
+    def __init__(self, tokens: np.ndarray, context_length: int, batch_size: int, seed: int,
+                 mix: tuple[tuple[np.ndarray, float], ...] = ()) -> None:
+        for stream in (tokens, *(t for t, _ in mix)):
+            if len(stream) < context_length + 1:
+                raise DataError(
+                    f"{len(stream)} tokens cannot fill one window of "
+                    f"context_length {context_length} + 1"
+                )
+        shares = [share for _, share in mix]
+        if any(not 0 < share < 1 for share in shares) or sum(shares) >= 1:
+            raise DataError(f"mixed-in shares {shares} must each be in (0, 1) and sum below 1")
         self.tokens = tokens
+        self.mix = tuple(mix)
         self.context_length = context_length
         self.batch_size = batch_size
         self.seed = seed
         self.draws = 0
 
     def offsets(self, draw: int) -> np.ndarray:
-        """Start positions of the windows of draw number ``draw``."""
+        """Start positions of the windows of draw number ``draw`` (a sampler without a mix)."""
         rng = np.random.default_rng([self.seed, draw])
         return rng.integers(0, len(self.tokens) - self.context_length, size=self.batch_size)
 
     def next_global(self) -> np.ndarray:
         """The next draw's windows as a (batch_size, T + 1) int64 array."""
-        starts = self.offsets(self.draws)
+        draw = self.draws
         self.draws += 1
         window = np.arange(self.context_length + 1)
-        return np.asarray(self.tokens[starts[:, None] + window], dtype=np.int64)
+        if not self.mix:
+            starts = self.offsets(draw)
+            return np.asarray(self.tokens[starts[:, None] + window], dtype=np.int64)
+        # Each window's stream first (a uniform draw against the shares' running sums,
+        # the main stream past them), then each stream's start positions in stream order.
+        rng = np.random.default_rng([self.seed, draw])
+        edges = np.cumsum([share for _, share in self.mix])
+        stream = np.searchsorted(edges, rng.random(self.batch_size), side="right")
+        out = np.empty((self.batch_size, len(window)), dtype=np.int64)
+        for index, tokens in enumerate([t for t, _ in self.mix] + [self.tokens]):
+            rows = np.flatnonzero(stream == index)
+            starts = rng.integers(0, len(tokens) - self.context_length, size=len(rows))
+            out[rows] = tokens[starts[:, None] + window]
+        return out
 
     def next_local(
         self, rank: int, world_size: int, grad_accum: int, device: torch.device | str = "cpu"

@@ -21,6 +21,11 @@ Four sources:
 * ``--data PATH`` naming a token array: a ``.npy`` file or a raw ``.bin`` of uint16
   (memory-mapped), split 95/5 by position, or a directory holding ``train.*`` and
   ``val.*`` arrays.
+
+``--stdlib-share S`` mixes the default corpus's training split into another byte corpus's:
+each training window comes from it with probability S. With ``python-env``, whose
+validation split is the standard library's, it weights the training data toward the kind
+of text the run is measured on; the validation split is always ``--data``'s own.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class Corpus:
         vocab_size: number of token ids; every token is below it.
         source: human-readable origin (a path, or "stdlib:<path>").
         is_bytes: tokens are raw bytes, so samples can be decoded as text.
+        mix: training streams mixed into ``train``, ``(tokens, share)`` pairs: each window
+            is drawn from one with probability ``share`` (``--stdlib-share``).
     """
 
     train: np.ndarray
@@ -70,15 +77,29 @@ class Corpus:
     vocab_size: int
     source: str
     is_bytes: bool
+    mix: tuple[tuple[np.ndarray, float], ...] = ()
 
     def identity(self) -> dict:
-        """What a checkpoint records to recognise this data on resume."""
-        return {
+        """What a checkpoint records to recognise this data on resume (a mix's shares and
+        sizes too; without one, the same record as before mixes existed)."""
+        out = {
             "source": self.source,
             "vocab_size": self.vocab_size,
             "train_tokens": int(len(self.train)),
             "val_tokens": int(len(self.val)),
         }
+        if self.mix:
+            out["mix"] = [[float(share), int(len(tokens))] for tokens, share in self.mix]
+        return out
+
+    def describe(self) -> str:
+        """Where the training windows come from, for the run's summary."""
+        if not self.mix:
+            return self.source
+        rest = 1 - sum(share for _, share in self.mix)
+        return f"{self.source} ({rest:.0%} of windows) + " + " + ".join(
+            f"{len(tokens):,} standard-library train tokens ({share:.0%})"
+            for tokens, share in self.mix)
 
 
 def is_val_file(relative_path: str) -> bool:
@@ -458,17 +479,45 @@ def _check_vocab(array: np.ndarray, vocab_size: int, what: str) -> None:
                         f"{first}); token ids must be in [0, --vocab-size)")
 
 
-def load_corpus(path: str | None = None, vocab_size: int | None = None) -> Corpus:
+def load_corpus(path: str | None = None, vocab_size: int | None = None,
+                stdlib_share: float = 0.0) -> Corpus:
     """Load the corpus named by ``path`` (see the module docstring); ``None`` is the stdlib.
 
     Args:
         path: text file, directory, ``.npy``/``.bin`` token array, ``"python-env"``
             (:data:`PYTHON_ENV`) or ``None``.
         vocab_size: required for token arrays; must be 256 (or omitted) for text.
+        stdlib_share: the share of training windows drawn from the default corpus's
+            training split instead (``--stdlib-share``; 0: none).
 
     Raises:
-        DataError: missing path, unreadable or empty data, tokens outside the vocabulary.
+        DataError: missing path, unreadable or empty data, tokens outside the vocabulary,
+            a share outside [0, 1) or one that mixes bytes into a token array.
     """
+    corpus = _load_source(path, vocab_size)
+    problem = stdlib_share_problem(stdlib_share, path, corpus.is_bytes)
+    if problem is not None:
+        raise DataError(problem)
+    if stdlib_share > 0:
+        corpus.mix = ((load_stdlib_corpus().train, float(stdlib_share)),)
+    return corpus
+
+
+def stdlib_share_problem(share: float, path: str | None, is_bytes: bool = True) -> str | None:
+    """Why ``--stdlib-share share`` cannot mix into ``--data path`` (None: it can)."""
+    if not 0 <= share < 1:
+        return f"--stdlib-share must be in [0, 1), got {share!r}"
+    if share > 0 and path is None:
+        return ("--stdlib-share mixes the standard library into another --data; without "
+                "--data the run trains on the standard library alone already")
+    if share > 0 and not is_bytes:
+        return (f"--stdlib-share mixes bytes; --data {path} is a token array with its own "
+                "vocabulary")
+    return None
+
+
+def _load_source(path: str | None, vocab_size: int | None) -> Corpus:
+    """:func:`load_corpus` without the mix."""
     if path is None or path == PYTHON_ENV:
         if vocab_size not in (None, 256):
             raise DataError(f"the {'default' if path is None else PYTHON_ENV} byte corpus has "

@@ -150,7 +150,7 @@ class Trainer:
             # made, instead of at the first block's compilation.
             warm_compiler(s.compile_backend)
             self.clock.mark("compiler workers")
-        self.corpus = load_corpus(s.data, s.vocab_size)
+        self.corpus = load_corpus(s.data, s.vocab_size, s.stdlib_share)
         self.clock.mark("data")
         # A single-file checkpoint is loaded whole here; a sharded one (a step folder) by
         # every rank into its own part once the model is set up (load_folder).
@@ -196,7 +196,8 @@ class Trainer:
         self.optimizer = self.parallel.optimizer
         self.schedule = WarmupCosine(s.lr, s.min_lr, s.warmup, s.steps)
         T = s.model.context_length
-        self.sampler = BatchSampler(self.corpus.train, T, s.batch_size, s.seed)
+        self.sampler = BatchSampler(self.corpus.train, T, s.batch_size, s.seed,
+                                    mix=self.corpus.mix)
         self.val_sampler = BatchSampler(self.corpus.val, T, s.batch_size, s.seed + VAL_SEED_OFFSET)
         self.scaler = None
         if s.precision == "fp16":
@@ -543,7 +544,7 @@ class Trainer:
             f"[bold]lab2-train[/bold]: {self.num_parameters:,} parameters "
             f"(d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, "
             f"context {m.context_length})\n"
-            f"data: {c.source}: {len(c.train):,} train / {len(c.val):,} val tokens, "
+            f"data: {c.describe()}: {len(c.train):,} train / {len(c.val):,} val tokens, "
             f"unigram entropy {entropy:.4f} nats\n"
             f"batch: {s.batch_size} x {m.context_length} tokens per step "
             f"({s.batch_size // self.data_rank[1] // s.grad_accum} per rank per micro-step, "
