@@ -50,6 +50,21 @@ def test_each_window_comes_whole_from_one_stream_and_resumes(seed, share, batch,
     assert all(np.array_equal(b.next_global(), draws[i]) for i in (2, 3))
 
 
+@settings(deadline=None, max_examples=30)
+@given(world=st.integers(1, 4), accum=st.integers(1, 3), per=st.integers(1, 3),
+       seed=st.integers(0, 1000), share=st.floats(0.05, 0.95))
+def test_ranks_slices_of_a_mixed_batch_concatenate_to_it(world, accum, per, seed, share):
+    main_stream, mixed = streams(seed)
+    batch = world * accum * per
+    reference = BatchSampler(main_stream, 8, batch, seed, mix=((mixed, share),)).next_global()
+    pieces = []
+    for rank in range(world):
+        sampler = BatchSampler(main_stream, 8, batch, seed, mix=((mixed, share),))
+        for x, y in sampler.next_local(rank, world, accum):
+            pieces.append(torch.cat([x, y[:, -1:]], dim=1))
+    assert torch.equal(torch.cat(pieces), torch.from_numpy(reference))
+
+
 def test_the_share_of_windows_is_the_stream_share():
     main_stream, mixed = streams(0)
     sampler = BatchSampler(main_stream, 8, 64, seed=3, mix=((mixed, 0.25),))
