@@ -125,6 +125,17 @@ def _number(label: str, value: Any, ok: Callable[[float], bool] = lambda v: True
         raise ValueError(f"{label} must be {must}, got {value!r}")
 
 
+def stdlib_share_problem(share: float, data: str | None) -> str | None:
+    """Why ``--stdlib-share share`` cannot mix into ``--data data`` (None: it can; whether
+    the data are bytes is known once they are read: ``data.corpus.load_corpus``)."""
+    if not 0 <= share < 1:
+        return f"--stdlib-share must be in [0, 1), got {share!r}"
+    if share > 0 and data is None:
+        return ("--stdlib-share mixes the standard library into another --data; without "
+                "--data the run trains on the standard library alone already")
+    return None
+
+
 def _refuse(problem: str | None) -> None:
     """``ValueError`` with ``problem``, a concept's rule's one line (None: nothing wrong)."""
     if problem is not None:
@@ -621,9 +632,6 @@ class TrainSettings:
         self.check()
         self.check_tp(world_size)
         _refuse(muon_problem(self.optimizer, self.sharding, self.tp))
-        # Here, not at the top: the corpus module imports this one (UsageError).
-        from lab2_trainer.data.corpus import stdlib_share_problem
-
         _refuse(stdlib_share_problem(self.stdlib_share, self.data))
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--min-lr must be in [0, --lr = {self.lr}], got {self.min_lr}")

@@ -46,7 +46,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from lab2_trainer.config import UsageError
+from lab2_trainer.config import UsageError, stdlib_share_problem
 from lab2_trainer.runtime.paths import open_regular
 from lab2_trainer.runtime.run_folder import atomic_write
 
@@ -494,26 +494,16 @@ def load_corpus(path: str | None = None, vocab_size: int | None = None,
         DataError: missing path, unreadable or empty data, tokens outside the vocabulary,
             a share outside [0, 1) or one that mixes bytes into a token array.
     """
-    corpus = _load_source(path, vocab_size)
-    problem = stdlib_share_problem(stdlib_share, path, corpus.is_bytes)
+    problem = stdlib_share_problem(stdlib_share, path)
     if problem is not None:
         raise DataError(problem)
+    corpus = _load_source(path, vocab_size)
+    if stdlib_share > 0 and not corpus.is_bytes:
+        raise DataError(f"--stdlib-share mixes bytes; --data {path} is a token array with its "
+                        "own vocabulary")
     if stdlib_share > 0:
         corpus.mix = ((load_stdlib_corpus().train, float(stdlib_share)),)
     return corpus
-
-
-def stdlib_share_problem(share: float, path: str | None, is_bytes: bool = True) -> str | None:
-    """Why ``--stdlib-share share`` cannot mix into ``--data path`` (None: it can)."""
-    if not 0 <= share < 1:
-        return f"--stdlib-share must be in [0, 1), got {share!r}"
-    if share > 0 and path is None:
-        return ("--stdlib-share mixes the standard library into another --data; without "
-                "--data the run trains on the standard library alone already")
-    if share > 0 and not is_bytes:
-        return (f"--stdlib-share mixes bytes; --data {path} is a token array with its own "
-                "vocabulary")
-    return None
 
 
 def _load_source(path: str | None, vocab_size: int | None) -> Corpus:
