@@ -498,10 +498,10 @@ def load_corpus(path: str | None = None, vocab_size: int | None = None,
     if problem is not None:
         raise DataError(problem)
     corpus = _load_source(path, vocab_size)
-    if stdlib_share > 0 and not corpus.is_bytes:
-        raise DataError(f"--stdlib-share mixes bytes; --data {path} is a token array with its "
-                        "own vocabulary")
     if stdlib_share > 0:
+        if not corpus.is_bytes:
+            raise DataError(f"--stdlib-share mixes bytes; --data {path} is a token array with "
+                            "its own vocabulary")
         corpus.mix = ((load_stdlib_corpus().train, float(stdlib_share)),)
     return corpus
 
