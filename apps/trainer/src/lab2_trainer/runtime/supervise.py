@@ -452,11 +452,15 @@ class LaunchWatch:
         """
         with self._lock:
             self._poll_ends(0.0)
+            # The agent records the rank(s) it found failed before it stopped the others. One
+            # whose end this watch missed (the agent reaped it first) ended before every end
+            # the watch saw, the others' SIGTERM among them: it goes first.
+            before_seen = min((e.at for e in self.ends.values()), default=time.monotonic())
             for rank, failure in (failures or {}).items():
                 if rank not in self.ends and isinstance(getattr(failure, "exitcode", None), int):
                     code = failure.exitcode
                     self.ends[rank] = RankEnd(code if code >= 0 else None,
-                                              -code if code < 0 else None, time.monotonic())
+                                              -code if code < 0 else None, before_seen - 1e-3)
                     self.pids.setdefault(rank, getattr(failure, "pid", -1))
         pid = self.pids.get
         if self.frozen:
