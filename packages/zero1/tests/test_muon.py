@@ -97,6 +97,35 @@ def test_a_step_over_many_shapes_matches_each_matrix_alone():
         assert _rel(p.detach(), q.detach()) < 1e-13
 
 
+def _ops_per_step(n_matrices: int) -> int:
+    """The operators one Muon step dispatches (each a kernel launch on a GPU) over
+    ``n_matrices`` matrices of each of two shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.randn(shape))
+              for shape in [(8, 4), (4, 8)] * n_matrices]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = Muon(params, lr=0.02)
+    opt.step()  # the momentum buffers are made here, once
+    with Count():
+        opt.step()
+    return Count.calls
+
+
+def test_a_steps_launches_do_not_grow_with_the_matrices_of_one_shape():
+    """Stacks and multi-tensor kernels: a model of dozens of small matrices pays per shape,
+    not per matrix, in launches (the host time of a step on a GPU)."""
+    assert _ops_per_step(24) == _ops_per_step(2)
+
+
 def _step_reference(w, grads, lr, wd, mu, nesterov, fn):
     """The update written out, in float64, with the reference iteration."""
     buf = torch.zeros_like(w)

@@ -85,7 +85,7 @@ def newton_schulz(matrix: torch.Tensor, steps: int = 5,
         raise ValueError(f"newton_schulz: expected a 2-D matrix or a 3-D stack of them, got "
                          f"shape {list(matrix.shape)}")
     a, b, c = coefficients
-    x = matrix.to(dtype=dtype or matrix.dtype, copy=True)
+    x = matrix.to(dtype=dtype or matrix.dtype)  # every step below is out of place
     tall = x.size(-2) > x.size(-1)
     if tall:  # iterate on the wide orientation: A = XXᵀ is then the smaller Gram matrix
         x = x.mT
@@ -230,5 +230,8 @@ class Muon(Optimizer):
             ortho = newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"],
                                   group["eps"], group["ns_dtype"])
             step = -adjusted_lr(lr, shape, group["adjust_lr_fn"])
-            for i, o in zip(members, ortho.unbind()):
-                params[i].add_(o, alpha=step)
+            # One multi-tensor add per stack, not one add per matrix; the cast first keeps
+            # it on the kernels' fast path, which wants one dtype (exact: bf16 -> fp32).
+            ortho = ortho.to(params[members[0]].dtype)
+            torch._foreach_add_([params[i] for i in members], list(ortho.unbind()),
+                                alpha=step)
