@@ -1,3 +1,3 @@
 """lab2-trainer."""
 
-__version__ = "0.15.0"
+__version__ = "0.15.1"

@@ -19,7 +19,7 @@ from .sharded_optimizer import ShardedOptimizer, optimizer_state_bytes, optimize
 from .stage3 import shard_model, sharding_of
 from .stage3_optimizer import Stage3Optimizer
 
-__version__ = "0.7.0"
+__version__ = "0.7.1"
 
 __all__ = [
     "Muon",
