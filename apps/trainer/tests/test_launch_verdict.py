@@ -46,3 +46,15 @@ def test_a_rank_stopped_alone_by_sigterm_is_named(tmp_path):
     lines, code = watch.verdict({0: SimpleNamespace(exitcode=EXIT_TERMINATED, pid=10_000)})
     assert code == EXIT_TERMINATED, (lines, code)
     assert lines[0] == "rank 0 (pid 10000) was stopped by SIGTERM", lines
+
+
+def test_a_clean_exit_does_not_move_the_reaped_rank_before_it(tmp_path):
+    # Rank 0 finished cleanly earlier; rank 2 got the agent's SIGTERM after rank 1 was
+    # killed. Rank 1 goes just before rank 2's end, not before rank 0's.
+    watch = _watch(tmp_path, nproc=3)
+    now = time.monotonic()
+    watch.ends[0] = RankEnd(0, None, now - 10.0)
+    watch.ends[2] = RankEnd(EXIT_TERMINATED, None, now)
+    lines, code = watch.verdict({1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=10_001)})
+    assert code == 1 and not any("SIGTERM" in line for line in lines), (lines, code)
+    assert watch.ends[0].at < watch.ends[1].at < watch.ends[2].at

@@ -453,9 +453,11 @@ class LaunchWatch:
         with self._lock:
             self._poll_ends(0.0)
             # The agent records the rank(s) it found failed before it stopped the others. One
-            # whose end this watch missed (the agent reaped it first) ended before every end
-            # the watch saw, the others' SIGTERM among them: it goes first.
-            before_seen = min((e.at for e in self.ends.values()), default=time.monotonic())
+            # whose end this watch missed (the agent reaped it first) failed before every
+            # failure the watch saw, the others' SIGTERM among them: it goes first. (A clean
+            # exit the watch saw says nothing of that order, and must not move it.)
+            before_seen = min((e.at for e in self.ends.values() if e.failed),
+                              default=time.monotonic())
             for rank, failure in (failures or {}).items():
                 if rank not in self.ends and isinstance(getattr(failure, "exitcode", None), int):
                     code = failure.exitcode
