@@ -110,8 +110,9 @@ def test_load_corpus_mixes_the_standard_library_and_says_so(corpus_dir):
 def test_load_corpus_refusals(corpus_dir, tmp_path):
     with pytest.raises(DataError, match="without --data"):
         load_corpus(None, stdlib_share=0.2)
-    with pytest.raises(DataError, match=r"in \[0, 1\)"):
-        load_corpus(str(corpus_dir), stdlib_share=1.0)
+    for share in (1.0, float("nan"), None, "0.2"):
+        with pytest.raises(DataError, match=r"in \[0, 1\)"):
+            load_corpus(str(corpus_dir), stdlib_share=share)
     array = tmp_path / "tokens.npy"
     np.save(array, np.arange(4_000, dtype=np.uint16) % 500)
     with pytest.raises(DataError, match="token array"):
@@ -121,6 +122,8 @@ def test_load_corpus_refusals(corpus_dir, tmp_path):
 def test_settings_refuse_a_share_before_any_work():
     with pytest.raises(ValueError, match=r"--stdlib-share must be in \[0, 1\)"):
         TrainSettings(data="x", stdlib_share=1.5).validate(1)
+    with pytest.raises(ValueError, match=r"--stdlib-share must be in \[0, 1\), got None"):
+        TrainSettings(data="x", stdlib_share=None).validate(1)
     with pytest.raises(ValueError, match="without --data"):
         TrainSettings(stdlib_share=0.5).validate(1)
 

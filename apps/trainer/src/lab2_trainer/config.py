@@ -128,7 +128,7 @@ def _number(label: str, value: Any, ok: Callable[[float], bool] = lambda v: True
 def stdlib_share_problem(share: float, data: str | None) -> str | None:
     """Why ``--stdlib-share share`` cannot mix into ``--data data`` (None: it can; whether
     the data are bytes is known once they are read: ``data.corpus.load_corpus``)."""
-    if not 0 <= share < 1:
+    if not (_is_number(share) and 0 <= share < 1):  # None too: Python callers pass anything
         return f"--stdlib-share must be in [0, 1), got {share!r}"
     if share > 0 and data is None:
         return ("--stdlib-share mixes the standard library into another --data; without "
